@@ -1,0 +1,271 @@
+"""The Smurfs speculative configuration: what users write once, validated up front.
+
+Users write one dict (a JSON file for ``vllm serve --speculative-config``, or the same dict for
+``LLM(speculative_config=...)``)::
+
+    {"method": "smurfs", "num_speculative_tokens": 6,
+     "drafters": [{"model": "/path/to/ssm-a"}, {"model": "/path/to/ssm-b"},
+                  {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}]}
+
+`SmurfsConfig.from_user_dict` validates it (unknown keys refused, every error naming the key and
+what was expected); `SmurfsConfig.check_against_target` checks the drafters against the target
+(paths exist, same vocabulary). The plugin then hands vLLM an ordinary ``custom_class``
+speculative config and carries this config to the workers in ``additional_config["smurfs"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+
+#: Where the validated config travels inside ``VllmConfig.additional_config``.
+ADDITIONAL_CONFIG_KEY = "smurfs"
+#: The vLLM ``custom_class`` proposer that implements Smurfs.
+PROPOSER_CLASS = "vllm_smurfs.proposer.SmurfsProposer"
+#: Longest lookahead accepted. Verification of k+1 tokens stays cheap on CPU and GPU up to here;
+#: beyond it acceptance of a chain decays to noise for any realistic drafter.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelDrafterConfig(_Strict):
+    """A small speculative model (SSM) that drafts greedily in its own process."""
+
+    method: Literal["draft_model"] = Field(
+        default="draft_model", description="Drafter kind; omit it for a model drafter."
+    )
+    model: str = Field(description="Local path (or hub name) of the draft model.")
+    name: str | None = Field(
+        default=None, description="Name used in logs and metrics (default: the folder name)."
+    )
+    weight: float = Field(
+        default=1.0, gt=0, description="Initial vote weight (a prior; updated while running)."
+    )
+    dtype: str = Field(
+        default="auto",
+        description="Weights dtype of the drafter engine; 'auto' uses the target's dtype.",
+    )
+    kv_cache_gib: float = Field(
+        default=1.0, gt=0, description="KV cache size of the drafter engine, in GiB (CPU)."
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="Fraction of GPU memory for the drafter engine (GPU machines only).",
+    )
+    num_threads: int = Field(
+        default=1, ge=1, description="Compute threads of the drafter process (CPU)."
+    )
+    cpus: list[int] | None = Field(
+        default=None,
+        description="CPU cores the drafter process may run on (default: all cores).",
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="Context limit of the drafter (default: the target's)."
+    )
+
+    @property
+    def display_name(self) -> str:
+        return self.name or os.path.basename(os.path.normpath(self.model)) or self.model
+
+
+class NgramDrafterConfig(_Strict):
+    """A model-free voter: prompt n-gram lookup over the request's own text."""
+
+    method: Literal["ngram"] = Field(description="'ngram' for prompt lookup.")
+    name: str | None = Field(default=None, description="Name used in logs and metrics.")
+    weight: float = Field(default=1.0, gt=0, description="Initial vote weight.")
+    prompt_lookup_min: int = Field(default=2, ge=1, description="Shortest n-gram to match.")
+    prompt_lookup_max: int = Field(default=4, ge=1, description="Longest n-gram to match.")
+
+    @property
+    def display_name(self) -> str:
+        return self.name or f"ngram[{self.prompt_lookup_min},{self.prompt_lookup_max}]"
+
+    def model_post_init(self, __context: Any) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+
+def _drafter_kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("method", "draft_model"))
+    return str(getattr(value, "method", "draft_model"))
+
+
+DrafterConfig = Annotated[
+    Annotated[ModelDrafterConfig, Tag("draft_model")] | Annotated[NgramDrafterConfig, Tag("ngram")],
+    Discriminator(_drafter_kind),
+]
+
+
+class VoteConfig(_Strict):
+    """Multiplicative weight updates of the vote (see vote_sampler.WeightUpdateRule)."""
+
+    learning_rate: float = Field(
+        default=0.5, ge=0, description="eta in w <- w * exp(eta * (acceptance - threshold))."
+    )
+    threshold: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Acceptance above it raises a drafter's weight, below it lowers it.",
+    )
+    min_weight: float = Field(default=0.05, gt=0, description="Lower bound of every weight.")
+    max_weight: float = Field(default=20.0, gt=0, description="Upper bound of every weight.")
+
+
+class SmurfsConfig(_Strict):
+    """Collective speculative decoding: several drafters, one weighted prefix-tree vote."""
+
+    method: Literal["smurfs"] = Field(description="Must be 'smurfs'.")
+    num_speculative_tokens: int = Field(
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="Longest draft verified per step (the lookahead).",
+    )
+    drafters: list[DrafterConfig] = Field(
+        min_length=1, description="Model drafters and model-free voters, in priority order."
+    )
+    vote: VoteConfig = Field(default_factory=VoteConfig, description="Weight update settings.")
+    draft_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest wait for a model drafter per step; a late drafter's draft is "
+        "dropped for that step (it costs speculation, never a token).",
+    )
+    log_stats_interval_s: float = Field(
+        default=10.0, ge=0, description="Period of the per-drafter log line; 0 disables it."
+    )
+
+    @property
+    def model_drafters(self) -> list[ModelDrafterConfig]:
+        return [d for d in self.drafters if isinstance(d, ModelDrafterConfig)]
+
+    @classmethod
+    def from_user_dict(cls, raw: dict[str, Any]) -> SmurfsConfig:
+        """Validate a user's dict; errors name the key and what was expected."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ValueError(_explain(exc)) from None
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Any) -> SmurfsConfig:
+        if not isinstance(additional_config, dict) or ADDITIONAL_CONFIG_KEY not in additional_config:
+            raise ValueError(
+                "The Smurfs proposer found no 'smurfs' entry in additional_config: configure it "
+                "with speculative_config={'method': 'smurfs', ...}, not with method='custom_class'."
+            )
+        return cls.model_validate(additional_config[ADDITIONAL_CONFIG_KEY])
+
+    def check_against_target(
+        self, target_model: str, target_vocab_size: int, trust_remote_code: bool = False
+    ) -> None:
+        """Refuse drafters that cannot draft for this target: missing paths, another vocabulary."""
+        for index, drafter in enumerate(self.drafters):
+            if not isinstance(drafter, ModelDrafterConfig):
+                continue
+            key = f"speculative_config.drafters[{index}].model"
+            path = os.path.expanduser(drafter.model)
+            if _looks_like_local_path(drafter.model) and not os.path.exists(path):
+                raise ValueError(f"{key}: path '{drafter.model}' does not exist.")
+            draft_vocab_size = _vocab_size(drafter.model, trust_remote_code, key)
+            if draft_vocab_size != target_vocab_size:
+                raise ValueError(
+                    f"{key}: drafter '{drafter.model}' has a vocabulary of {draft_vocab_size} "
+                    f"tokens but the target '{target_model}' has {target_vocab_size}; every "
+                    "Smurfs drafter must share the target's tokenizer and vocabulary."
+                )
+
+
+def load_user_config(value: str) -> dict[str, Any]:
+    """Parse ``--speculative-config``: inline JSON or the path of a JSON file."""
+    text = value.strip()
+    if not text.startswith("{") and os.path.isfile(os.path.expanduser(text)):
+        with open(os.path.expanduser(text), encoding="utf-8") as f:
+            text = f.read()
+        source = f"file '{value}'"
+    else:
+        source = "inline JSON"
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"--speculative-config: expected inline JSON or the path of a JSON file; "
+            f"could not parse {source}: {exc}"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"--speculative-config: expected a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
+def _looks_like_local_path(model: str) -> bool:
+    # A hub name is "org/name" (or a bare "name"); anything absolute, relative or home-based,
+    # or with more than one slash, is a local path.
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1
+
+
+def _vocab_size(model: str, trust_remote_code: bool, key: str) -> int:
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(
+            os.path.expanduser(model), trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:  # noqa: BLE001 - re-raised with the setting named
+        raise ValueError(f"{key}: cannot load the config of drafter '{model}': {exc}") from None
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return int(text_config.vocab_size)
+
+
+def _field_names(model_cls: type[BaseModel]) -> list[str]:
+    return list(model_cls.model_fields)
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        loc = _format_loc(error["loc"])
+        kind = error["type"]
+        if kind == "extra_forbidden":
+            lines.append(f"{loc}: unknown key; {_allowed_keys_hint(error['loc'])}")
+        elif kind == "missing":
+            lines.append(f"{loc}: required key is missing")
+        elif kind == "union_tag_invalid":
+            lines.append(f"{loc}: unknown drafter method; expected 'draft_model' (or omit it) "
+                         "or 'ngram'")
+        else:
+            lines.append(f"{loc}: {error['msg']} (got {error.get('input')!r})")
+    return "Invalid Smurfs speculative_config:\n  " + "\n  ".join(lines)
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = "speculative_config"
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("draft_model", "ngram"):  # discriminator tags add no information
+            continue
+        else:
+            out += f".{part}"
+    return out
+
+
+def _allowed_keys_hint(loc: tuple[Any, ...]) -> str:
+    parent: type[BaseModel] = SmurfsConfig
+    if "drafters" in loc:
+        parent = NgramDrafterConfig if "ngram" in loc else ModelDrafterConfig
+    elif "vote" in loc:
+        parent = VoteConfig
+    return "allowed keys: " + ", ".join(_field_names(parent))

@@ -1,0 +1,30 @@
+"""Every change this plugin makes to vLLM 0.32.0, in one ledger. One module per target.
+
+| module | target (vLLM symbol) | why | how | when it can go |
+| --- | --- | --- | --- | --- |
+| engine_args_speculative | `vllm.engine.arg_utils.EngineArgs.create_speculative_config` | `SpeculativeConfig` refuses `method: smurfs` and its keys | validate a `SmurfsConfig`, store it in `additional_config["smurfs"]`, pass vLLM the equivalent `custom_class` config | vLLM lets plugins register speculative methods |
+| cli_speculative_config | `vllm.engine.arg_utils.EngineArgs.add_cli_args` | `--speculative-config` takes inline JSON only | the option's `type` also reads a JSON file path | vLLM accepts a path there |
+| model_runner_propose | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids` | custom proposers get no request ids or lifecycle events | hand the proposer a `StepContext` (req ids, finished, preempted/resumed, lookahead) before vLLM's body | vLLM passes them to custom proposers |
+
+Each patch records the original (see `_patching`), refuses to patch twice, and is tested in
+``tests/unit/test_patches.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+PATCH_MODULES = (
+    "vllm_smurfs.patches.engine_args_speculative",
+    "vllm_smurfs.patches.cli_speculative_config",
+    "vllm_smurfs.patches.model_runner_propose",
+)
+
+
+def apply_all() -> list[str]:
+    """Apply every patch; return the modules that were newly applied (idempotent)."""
+    applied = []
+    for name in PATCH_MODULES:
+        if importlib.import_module(name).apply():
+            applied.append(name)
+    return applied

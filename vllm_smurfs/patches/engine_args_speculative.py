@@ -1,0 +1,57 @@
+"""Patch `EngineArgs.create_speculative_config`: accept ``{"method": "smurfs", ...}``.
+
+Why: vLLM's `SpeculativeConfig` forbids unknown methods and keys (``drafters``, ``vote``...), and
+a ``custom_class`` proposer only receives the `VllmConfig`.
+How: when the user's dict says ``method: smurfs``, validate it as a `SmurfsConfig`, check the
+drafters against the target (paths, vocabulary), store it in ``additional_config["smurfs"]``
+(vLLM's channel for plugin settings; it reaches every worker and enters the config hash), and
+hand vLLM the equivalent ``custom_class`` config. Every other config passes through untouched.
+When it can go: when vLLM lets plugins register speculative methods with their own config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_smurfs.config import ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS, SmurfsConfig
+from vllm_smurfs.patches._patching import original, replace_attribute
+
+TARGET = EngineArgs
+NAME = "create_speculative_config"
+
+
+def translate(engine_args: Any, target_model_config: Any) -> None:
+    """Rewrite ``engine_args`` in place if it carries a Smurfs config."""
+    spec = engine_args.speculative_config
+    if not isinstance(spec, dict) or spec.get("method") != "smurfs":
+        return
+    smurfs = SmurfsConfig.from_user_dict({k.replace("-", "_"): v for k, v in spec.items()})
+    smurfs.check_against_target(
+        target_model_config.model,
+        target_model_config.get_vocab_size(),
+        trust_remote_code=target_model_config.trust_remote_code,
+    )
+    additional = engine_args.additional_config
+    if additional is None:
+        additional = {}
+    if not isinstance(additional, dict):
+        raise ValueError(
+            "additional_config must be a dict when speculative_config.method is 'smurfs'"
+        )
+    engine_args.additional_config = {**additional, ADDITIONAL_CONFIG_KEY: smurfs.model_dump()}
+    engine_args.speculative_config = {
+        "method": "custom_class",
+        "model": PROPOSER_CLASS,
+        "num_speculative_tokens": smurfs.num_speculative_tokens,
+    }
+
+
+def _create_speculative_config(self: EngineArgs, target_model_config, target_parallel_config):
+    translate(self, target_model_config)
+    return original(TARGET, NAME)(self, target_model_config, target_parallel_config)
+
+
+def apply() -> bool:
+    return replace_attribute(TARGET, NAME, _create_speculative_config)

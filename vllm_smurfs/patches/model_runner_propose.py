@@ -1,0 +1,39 @@
+"""Patch `GPUModelRunner.propose_draft_token_ids`: tell the Smurfs proposer who is in the batch.
+
+Why: vLLM calls a ``custom_class`` proposer with token arrays only: no request ids (rows move when
+requests finish), no finished/preempted requests, no per-step lookahead. Smurfs keeps drafter
+state, vote weights and the previous draft per request, so it needs all of these.
+How: before vLLM's own body runs, hand the proposer a `StepContext` built from
+``input_batch.req_ids`` and the scheduler output. The CPU runner inherits this method.
+When it can go: when vLLM passes request ids and lifecycle events to custom proposers.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_smurfs.patches._patching import original, replace_attribute
+from vllm_smurfs.proposer import SmurfsProposer, StepContext
+
+TARGET = GPUModelRunner
+NAME = "propose_draft_token_ids"
+
+
+def _propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+    if isinstance(self.drafter, SmurfsProposer):
+        cached = scheduler_output.scheduled_cached_reqs
+        self.drafter.begin_step(
+            StepContext(
+                req_ids=list(self.input_batch.req_ids),
+                finished_req_ids=frozenset(scheduler_output.finished_req_ids),
+                restarted_req_ids=frozenset(
+                    set(cached.resumed_req_ids) | set(scheduler_output.preempted_req_ids or ())
+                ),
+                max_spec_tokens=scheduler_output.num_spec_tokens_to_schedule,
+            )
+        )
+    return original(TARGET, NAME)(self, scheduler_output, *args, **kwargs)
+
+
+def apply() -> bool:
+    return replace_attribute(TARGET, NAME, _propose_draft_token_ids)

@@ -1,0 +1,215 @@
+"""`SmurfsProposer`: the vLLM-facing proposer (glue only).
+
+vLLM builds it as a ``custom_class`` proposer in the worker and calls `propose` after every target
+step. Per step it (1) scores every drafter's previous draft against the tokens the target
+produced and updates the vote weights, (2) asks the length policy for each request's lookahead,
+(3) gets each drafter's draft from the `MultiDraftWorker`, and (4) returns the weighted
+prefix-tree vote per request. The algorithms live in `vote_sampler` and `length_controller`.
+
+Verification is vLLM's own rejection sampler with the draft treated as one-hot: greedy output is
+the target's own, sampled output has the target's distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_smurfs.config import SmurfsConfig
+from vllm_smurfs.length_controller import FixedLookahead, RequestView, StepFeedback
+from vllm_smurfs.multi_draft_worker import DraftRequest, MultiDraftWorker
+from vllm_smurfs.vote_sampler import (
+    DrafterWeights,
+    WeightUpdateRule,
+    matched_prefix_len,
+    score_draft,
+    weighted_prefix_vote,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What vLLM knows about the batch and does not pass to custom proposers (see patches)."""
+
+    req_ids: list[str]  # [num_reqs] in the row order of propose()'s arrays
+    finished_req_ids: frozenset[str]  # finished or aborted since the last step
+    restarted_req_ids: frozenset[str]  # preempted or resumed: their old drafts are void
+    max_spec_tokens: int  # the scheduler's lookahead cap for this step (0 = none given)
+
+
+@dataclass
+class _RequestState:
+    weights: DrafterWeights
+    drafts: list[list[int]] | None = None  # each drafter's draft of the last step
+    voted: list[int] | None = None  # the chain sent to the target last step
+
+
+@dataclass
+class DrafterStats:
+    name: str
+    vote_wins: int = 0
+    drafted_tokens: int = 0  # tokens this drafter proposed
+    accepted_tokens: int = 0  # of those, tokens that matched what the target produced
+    weight: float = 1.0  # current global weight (the prior of new requests)
+
+    def as_dict(self) -> dict[str, Any]:
+        acceptance = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        return {"name": self.name, "vote_wins": self.vote_wins,
+                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+                "acceptance": round(acceptance, 4), "weight": round(self.weight, 4)}
+
+
+@dataclass
+class SmurfsStats:
+    steps: int = 0
+    drafts: int = 0  # requests that got a non-empty voted draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafters: list[DrafterStats] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "drafts": self.drafts, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens,
+                "mean_acceptance_length": round(1 + self.accepted_tokens / self.drafts, 4)
+                if self.drafts else None,
+                "drafters": [d.as_dict() for d in self.drafters]}
+
+
+class SmurfsProposer:
+    """Collective drafting with a weighted prefix-tree vote (``method: smurfs``)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.config = SmurfsConfig.from_additional_config(vllm_config.additional_config)
+        model_config = vllm_config.model_config
+        self.num_speculative_tokens = self.config.num_speculative_tokens
+        self.max_model_len = model_config.max_model_len
+        self.policy = FixedLookahead(self.num_speculative_tokens)
+        self.rule = WeightUpdateRule(**self.config.vote.model_dump())
+        self.global_weights = DrafterWeights([d.weight for d in self.config.drafters], self.rule)
+        self.worker = MultiDraftWorker(
+            self.config,
+            dtype=str(model_config.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+            trust_remote_code=model_config.trust_remote_code,
+        )
+        self.stats = SmurfsStats(drafters=[DrafterStats(n) for n in self.worker.names])
+        self._states: dict[str, _RequestState] = {}
+        self._step: StepContext | None = None
+        self._last_log = time.monotonic()
+
+    # -- vLLM's proposer interface ------------------------------------------------------------
+    def load_model(self, target_model: Any = None) -> None:
+        self.worker.start()
+
+    def begin_step(self, step: StepContext) -> None:
+        self._step = step
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],  # [num_reqs][tokens produced this step]
+        num_tokens_no_spec: np.ndarray,  # [>= num_reqs] context length per row
+        token_ids_cpu: np.ndarray,  # [>= num_reqs, max_model_len] context tokens per row
+        slot_mappings: Any = None,  # unused: drafters keep their own KV caches
+    ) -> list[list[int]]:
+        step, self._step = self._step, None
+        if step is None or len(step.req_ids) != len(sampled_token_ids):
+            raise RuntimeError(
+                "SmurfsProposer was called without its step context: the vllm_smurfs patch of "
+                "GPUModelRunner.propose_draft_token_ids is not applied (is the plugin loaded?)"
+            )
+        self.forget(step.finished_req_ids | step.restarted_req_ids)
+        self._learn(step.req_ids, sampled_token_ids)
+
+        rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]
+        views = [RequestView(step.req_ids[i], int(num_tokens_no_spec[i]), self.max_model_len)
+                 for i in rows]
+        max_lookahead = min(step.max_spec_tokens or self.num_speculative_tokens,
+                            self.num_speculative_tokens)
+        lookaheads = self.policy.choose(views, max_lookahead)
+        requests = [
+            DraftRequest(step.req_ids[i], token_ids_cpu[i, : int(num_tokens_no_spec[i])].copy(), k)
+            for i, k in zip(rows, lookaheads) if k > 0
+        ]
+        row_of = {step.req_ids[i]: i for i in rows}
+        drafts = self.worker.draft(requests)
+
+        proposals: list[list[int]] = [[] for _ in sampled_token_ids]
+        for state in (self._states.get(step.req_ids[i]) for i in rows):
+            if state is not None:
+                state.drafts = state.voted = None
+        for request, per_drafter in zip(requests, drafts):
+            state = self._state(request.req_id)
+            vote = weighted_prefix_vote(per_drafter, state.weights.weights, max_len=request.k)
+            state.drafts, state.voted = per_drafter, vote.tokens
+            proposals[row_of[request.req_id]] = vote.tokens
+            self._count_proposal(per_drafter, vote.tokens, vote.winner)
+        self.stats.steps += 1
+        self._maybe_log()
+        return proposals
+
+    # -- state ----------------------------------------------------------------------------------
+    def forget(self, req_ids: Iterable[str]) -> None:
+        req_ids = list(req_ids)
+        for req_id in req_ids:
+            self._states.pop(req_id, None)
+        self.policy.forget(req_ids)
+
+    def _state(self, req_id: str) -> _RequestState:
+        state = self._states.get(req_id)
+        if state is None:
+            # A new request starts from what all requests taught the vote so far.
+            state = self._states[req_id] = _RequestState(self.global_weights.copy())
+        return state
+
+    def _learn(self, req_ids: list[str], sampled_token_ids: list[list[int]]) -> None:
+        """Score every drafter's last draft against what the target produced."""
+        feedback = []
+        for req_id, produced in zip(req_ids, sampled_token_ids):
+            state = self._states.get(req_id)
+            if state is None or state.voted is None or state.drafts is None or not produced:
+                continue
+            accepted = matched_prefix_len(state.voted, produced)
+            feedback.append(StepFeedback(req_id, len(state.voted), accepted))
+            self.stats.accepted_tokens += accepted
+            scores = [score_draft(draft, produced) for draft in state.drafts]
+            state.weights.update(scores)
+            self.global_weights.update(scores)
+            for drafter_stats, draft in zip(self.stats.drafters, state.drafts):
+                drafter_stats.accepted_tokens += min(matched_prefix_len(draft, produced),
+                                                     len(draft))
+            state.voted = state.drafts = None
+        for drafter_stats, weight in zip(self.stats.drafters, self.global_weights.weights):
+            drafter_stats.weight = weight
+        self.policy.observe(feedback)
+
+    def _count_proposal(self, drafts: list[list[int]], voted: list[int], winner: int) -> None:
+        for drafter_stats, draft in zip(self.stats.drafters, drafts):
+            drafter_stats.drafted_tokens += len(draft)
+        if voted:
+            self.stats.drafts += 1
+            self.stats.draft_tokens += len(voted)
+            self.stats.drafters[winner].vote_wins += 1
+
+    # -- metrics --------------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, Any]:
+        out = self.stats.as_dict()
+        for entry, health in zip(out["drafters"], self.worker.health()):
+            entry["alive"] = health.alive
+            entry["steps_late"] = health.steps_late
+        return out
+
+    def _maybe_log(self) -> None:
+        interval = self.config.log_stats_interval_s
+        if interval <= 0 or time.monotonic() - self._last_log < interval:
+            return
+        self._last_log = time.monotonic()
+        logger.info("Smurfs drafters: %s", json.dumps(self.get_stats()))

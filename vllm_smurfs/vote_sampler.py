@@ -1,0 +1,274 @@
+"""Weighted prefix-tree vote over several drafters' drafts, and the drafters' weight updates.
+
+Collective speculative decoding lets N drafters each propose a chain of tokens; the chain that is
+sent to the target model for verification is chosen by a weighted vote. The drafts are merged into
+a prefix tree, each node carrying the summed weight of the drafters whose draft passes through it,
+and the voted chain is the heaviest root-to-leaf path. After the target has verified the chain,
+every drafter is scored on how much of *its own* draft the target agreed with, and its weight is
+updated multiplicatively, so drafters that are right on the current text gain influence.
+
+This module is pure (stdlib only, no vllm/torch) so it can be unit-tested and reused outside the
+engine; it runs per request per step, on drafts of ~16 tokens from <= ~8 drafters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DrafterWeights",
+    "VoteResult",
+    "WeightUpdateRule",
+    "matched_prefix_len",
+    "score_draft",
+    "weighted_prefix_vote",
+]
+
+
+@dataclass(frozen=True)
+class VoteResult:
+    """Outcome of :func:`weighted_prefix_vote`.
+
+    Attributes:
+        tokens: the voted chain (possibly empty).
+        winner: the lowest index among drafters whose draft has ``tokens`` as a prefix; -1 when
+            ``tokens`` is empty.
+        support: ``support[j]`` is the summed weight of the drafters whose draft passes through the
+            chosen node at depth ``j``; non-increasing, ``len(support) == len(tokens)``.
+    """
+
+    tokens: list[int]
+    winner: int
+    support: list[float]
+
+
+def _validate_weights(weights: Sequence[float], n: int) -> None:
+    if len(weights) != n:
+        raise ValueError(f"weights has {len(weights)} entries but there are {n} drafts")
+    for i, w in enumerate(weights):
+        # `not w > 0` also rejects NaN; an infinite weight would make every sum infinite and
+        # turn the vote into a tie-break, so it is rejected too.
+        if not (w > 0 and math.isfinite(w)):
+            raise ValueError(f"weights[{i}] must be finite and > 0, got {w!r}")
+
+
+def weighted_prefix_vote(
+    drafts: Sequence[Sequence[int]],
+    weights: Sequence[float],
+    max_len: int | None = None,
+) -> VoteResult:
+    """Pick the heaviest path through the prefix tree of ``drafts``.
+
+    A node's weight is the sum of ``weights[i]`` over the drafters ``i`` whose draft passes through
+    it. From the root, the heaviest child is taken at each depth until no remaining drafter
+    continues, or ``max_len`` tokens have been taken. Empty drafts contribute nothing.
+
+    Tie-break: among children of exactly equal weight, the one whose lowest-index supporting
+    drafter is smallest wins, i.e. drafters earlier in config order have priority. Weights are
+    compared exactly; in practice exact ties only arise with equal (e.g. initial) weights, where
+    the sums are exact.
+
+    Because the walk only stops when no drafter that agreed so far continues, the chain equals the
+    full draft of ``drafts[winner]`` (truncated to ``max_len``).
+
+    Raises:
+        ValueError: when ``len(weights) != len(drafts)``, a weight is not finite and > 0, or
+            ``max_len`` is negative.
+    """
+    n = len(drafts)
+    _validate_weights(weights, n)
+    if max_len is not None and max_len < 0:
+        raise ValueError(f"max_len must be >= 0 or None, got {max_len}")
+
+    # Rather than building the tree, walk it depth by depth with the set of drafters that agree
+    # with the chain so far ("alive"). Kept in index order, so the first drafter seen for a token
+    # is that child's lowest-index supporter, which is what the tie-break needs.
+    alive = [i for i in range(n) if len(drafts[i]) > 0]
+    limit = max(len(d) for d in drafts) if n else 0
+    if max_len is not None:
+        limit = min(limit, max_len)
+
+    tokens: list[int] = []
+    support: list[float] = []
+    depth = 0
+    while depth < limit:
+        # token -> summed weight; dict insertion order == order of lowest supporting index.
+        child_weight: dict[int, float] = {}
+        for i in alive:
+            draft = drafts[i]
+            if len(draft) > depth:
+                tok = int(draft[depth])
+                child_weight[tok] = child_weight.get(tok, 0.0) + weights[i]
+        if not child_weight:
+            break
+        best_tok = -1
+        best_w = -math.inf
+        for tok, w in child_weight.items():
+            # Strict `>` keeps the earlier-inserted child on an exact tie.
+            if w > best_w:
+                best_tok, best_w = tok, w
+        alive = [i for i in alive if len(drafts[i]) > depth and int(drafts[i][depth]) == best_tok]
+        tokens.append(best_tok)
+        support.append(best_w)
+        depth += 1
+
+    # `alive` now holds exactly the drafters whose draft has `tokens` as a prefix.
+    winner = alive[0] if tokens else -1
+    return VoteResult(tokens=tokens, winner=winner, support=support)
+
+
+def matched_prefix_len(draft: Sequence[int], target: Sequence[int]) -> int:
+    """Length of the common prefix of ``draft`` and ``target``."""
+    m = 0
+    for a, b in zip(draft, target, strict=False):
+        if a != b:
+            break
+        m += 1
+    return m
+
+
+def score_draft(draft: Sequence[int], target_tokens: Sequence[int]) -> float | None:
+    """Acceptance of one drafter's draft against what the target emitted for the step.
+
+    ``target_tokens`` are the tokens the target produced after verification: the accepted draft
+    tokens followed by the bonus/corrected token. Only the first ``min(len(draft),
+    len(target_tokens))`` positions can be judged (beyond the target's output we do not know what
+    it would have said), so the score is the matched prefix over that many positions, in [0, 1].
+
+    Returns None when nothing can be judged (empty draft or empty target output): "no evidence"
+    must leave the weight alone rather than count as a rejection.
+    """
+    evaluable = min(len(draft), len(target_tokens))
+    if evaluable == 0:
+        return None
+    return matched_prefix_len(draft[:evaluable], target_tokens[:evaluable]) / evaluable
+
+
+# Default constants of the multiplicative weight update.
+#
+# eta = 0.5 with threshold = 0.5: a fully accepted step multiplies the weight by e^0.25 ~ 1.28,
+# a fully rejected one by e^-0.25 ~ 0.78, and a step at exactly the threshold leaves it unchanged.
+# Two drafters starting equal whose acceptances differ by d per step drift apart by a factor of
+# e^(0.5*d) per step; a drafter that is right where another is wrong (d = 1) is ~1.65x heavier
+# after one step and ~12x after five, so the one that is right on the current task takes over the
+# vote within a handful of steps, while a single unlucky step does not flip a settled ranking.
+# Using the threshold instead of rewarding every accepted token keeps a mediocre drafter (that
+# is only half right) from drifting upward just because it keeps being asked.
+_DEFAULT_LEARNING_RATE = 0.5
+_DEFAULT_THRESHOLD = 0.5
+# Weights are clipped to [0.05, 20]: a 400x range. Without a floor, a drafter that was poor for a
+# long stretch would need as many good steps to recover as it had bad ones; at 0.05 it needs at
+# most ln(400)/0.25 ~ 24 fully accepted steps to climb back to the ceiling (about 12 to return to
+# 1.0), so it can recover when the text changes character. The ceiling bounds the ratio between
+# any two drafters at 400x, so a long-dominant drafter cannot bank unbounded credit: once it starts
+# being wrong while another is right, the ratio shrinks by e^0.5 per step and the other overtakes
+# it within ln(400)/0.5 ~ 12 steps (sooner when several others agree against it).
+_DEFAULT_MIN_WEIGHT = 0.05
+_DEFAULT_MAX_WEIGHT = 20.0
+
+
+@dataclass(frozen=True)
+class WeightUpdateRule:
+    """Multiplicative weight update: ``w * exp(eta * (score - threshold))`` clipped to bounds.
+
+    See the comments on the default constants above for why these values.
+    """
+
+    learning_rate: float = _DEFAULT_LEARNING_RATE
+    threshold: float = _DEFAULT_THRESHOLD
+    min_weight: float = _DEFAULT_MIN_WEIGHT
+    max_weight: float = _DEFAULT_MAX_WEIGHT
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
+            raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate!r}")
+        if not (0.0 <= self.threshold <= 1.0):
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
+        if not (math.isfinite(self.min_weight) and self.min_weight > 0):
+            raise ValueError(f"min_weight must be finite and > 0, got {self.min_weight!r}")
+        if not (math.isfinite(self.max_weight) and self.max_weight >= self.min_weight):
+            raise ValueError(
+                f"max_weight must be finite and >= min_weight ({self.min_weight!r}), "
+                f"got {self.max_weight!r}"
+            )
+
+    def clip(self, weight: float) -> float:
+        """``weight`` clipped into ``[min_weight, max_weight]``."""
+        return min(max(weight, self.min_weight), self.max_weight)
+
+    def updated(self, weight: float, score: float | None) -> float:
+        """The weight after one step with acceptance ``score``; unchanged when ``score`` is None.
+
+        Raises:
+            ValueError: when ``weight`` is not finite and > 0 or ``score`` is outside [0, 1].
+        """
+        if score is None:
+            return weight
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"weight must be finite and > 0, got {weight!r}")
+        if not (0.0 <= score <= 1.0):
+            raise ValueError(f"score must be in [0, 1] or None, got {score!r}")
+        exponent = self.learning_rate * (score - self.threshold)
+        # Decide clipping in log space so a large learning_rate cannot overflow math.exp.
+        log_new = math.log(weight) + exponent
+        if log_new >= math.log(self.max_weight):
+            return self.max_weight
+        if log_new <= math.log(self.min_weight):
+            return self.min_weight
+        # The final clip only guards against last-ulp rounding of the product.
+        return self.clip(weight * math.exp(exponent))
+
+
+class DrafterWeights:
+    """Multiplicative weights of N drafters."""
+
+    def __init__(
+        self, initial: Sequence[float], rule: WeightUpdateRule = WeightUpdateRule()
+    ) -> None:
+        """Start from ``initial`` (one weight per drafter, each > 0), clipped into the bounds.
+
+        Raises:
+            ValueError: when an initial weight is not finite and > 0.
+        """
+        for i, w in enumerate(initial):
+            if not (w > 0 and math.isfinite(w)):
+                raise ValueError(f"initial[{i}] must be finite and > 0, got {w!r}")
+        self._rule = rule
+        self._weights = [rule.clip(float(w)) for w in initial]
+
+    @property
+    def rule(self) -> WeightUpdateRule:
+        return self._rule
+
+    @property
+    def weights(self) -> list[float]:
+        """A copy of the current weights, in drafter order."""
+        return list(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def update(self, scores: Sequence[float | None]) -> None:
+        """Apply one step's scores, one per drafter (None leaves that drafter's weight alone).
+
+        Raises:
+            ValueError: when ``len(scores)`` differs from the number of drafters or a score is
+                outside [0, 1]. Nothing is changed in that case.
+        """
+        if len(scores) != len(self._weights):
+            raise ValueError(f"got {len(scores)} scores for {len(self._weights)} drafters")
+        # Compute into a new list first so a bad score leaves the weights untouched.
+        new = [self._rule.updated(w, s) for w, s in zip(self._weights, scores, strict=True)]
+        self._weights = new
+
+    def copy(self) -> DrafterWeights:
+        """An independent copy (same rule, same current weights)."""
+        other = DrafterWeights.__new__(DrafterWeights)
+        other._rule = self._rule
+        other._weights = list(self._weights)
+        return other
+
+    def __repr__(self) -> str:
+        return f"DrafterWeights({self._weights!r}, rule={self._rule!r})"
