@@ -113,7 +113,16 @@ class VoteConfig(_Strict):
     """Multiplicative weight updates of the vote (see vote_sampler.WeightUpdateRule)."""
 
     learning_rate: float = Field(
-        default=0.5, ge=0, description="eta in w <- w * exp(eta * (acceptance - threshold))."
+        default=0.2,
+        ge=0,
+        description="eta in log w <- (1 - forgetting) log w + eta (acceptance - threshold).",
+    )
+    forgetting: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Pull of every weight back towards 1 per verified step (memory ~1/forgetting "
+        "steps); 0 gives plain multiplicative weights.",
     )
     threshold: float = Field(
         default=0.5,

@@ -54,10 +54,12 @@ class _RequestState:
 
 @dataclass
 class DrafterStats:
+    """One drafter's figures over verified steps (drafts the target never checked don't count)."""
+
     name: str
-    vote_wins: int = 0
-    drafted_tokens: int = 0  # tokens this drafter proposed
-    accepted_tokens: int = 0  # of those, tokens that matched what the target produced
+    vote_wins: int = 0  # proposals where the voted chain was this drafter's draft
+    drafted_tokens: int = 0  # tokens this drafter proposed in verified steps
+    accepted_tokens: int = 0  # of those, the ones matching what the target produced
     weight: float = 1.0  # current global weight (the prior of new requests)
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,16 +72,19 @@ class DrafterStats:
 @dataclass
 class SmurfsStats:
     steps: int = 0
-    drafts: int = 0  # requests that got a non-empty voted draft
-    draft_tokens: int = 0
+    proposed_drafts: int = 0  # requests that got a non-empty voted draft
+    verified_drafts: int = 0  # of those, the ones the target verified
+    verified_draft_tokens: int = 0
     accepted_tokens: int = 0
     drafters: list[DrafterStats] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "drafts": self.drafts, "draft_tokens": self.draft_tokens,
+        mean = (1 + self.accepted_tokens / self.verified_drafts) if self.verified_drafts else None
+        return {"steps": self.steps, "proposed_drafts": self.proposed_drafts,
+                "verified_drafts": self.verified_drafts,
+                "verified_draft_tokens": self.verified_draft_tokens,
                 "accepted_tokens": self.accepted_tokens,
-                "mean_acceptance_length": round(1 + self.accepted_tokens / self.drafts, 4)
-                if self.drafts else None,
+                "mean_acceptance_length": None if mean is None else round(mean, 4),
                 "drafters": [d.as_dict() for d in self.drafters]}
 
 
@@ -151,7 +156,7 @@ class SmurfsProposer:
             vote = weighted_prefix_vote(per_drafter, state.weights.weights, max_len=request.k)
             state.drafts, state.voted = per_drafter, vote.tokens
             proposals[row_of[request.req_id]] = vote.tokens
-            self._count_proposal(per_drafter, vote.tokens, vote.winner)
+            self._count_proposal(vote.tokens, vote.winner)
         self.stats.steps += 1
         self._maybe_log()
         return proposals
@@ -179,24 +184,23 @@ class SmurfsProposer:
                 continue
             accepted = matched_prefix_len(state.voted, produced)
             feedback.append(StepFeedback(req_id, len(state.voted), accepted))
+            self.stats.verified_drafts += 1
+            self.stats.verified_draft_tokens += len(state.voted)
             self.stats.accepted_tokens += accepted
             scores = [score_draft(draft, produced) for draft in state.drafts]
             state.weights.update(scores)
             self.global_weights.update(scores)
             for drafter_stats, draft in zip(self.stats.drafters, state.drafts):
-                drafter_stats.accepted_tokens += min(matched_prefix_len(draft, produced),
-                                                     len(draft))
+                drafter_stats.drafted_tokens += len(draft)
+                drafter_stats.accepted_tokens += matched_prefix_len(draft, produced)
             state.voted = state.drafts = None
         for drafter_stats, weight in zip(self.stats.drafters, self.global_weights.weights):
             drafter_stats.weight = weight
         self.policy.observe(feedback)
 
-    def _count_proposal(self, drafts: list[list[int]], voted: list[int], winner: int) -> None:
-        for drafter_stats, draft in zip(self.stats.drafters, drafts):
-            drafter_stats.drafted_tokens += len(draft)
+    def _count_proposal(self, voted: list[int], winner: int) -> None:
         if voted:
-            self.stats.drafts += 1
-            self.stats.draft_tokens += len(voted)
+            self.stats.proposed_drafts += 1
             self.stats.drafters[winner].vote_wins += 1
 
     # -- metrics --------------------------------------------------------------------------------

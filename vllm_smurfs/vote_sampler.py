@@ -146,37 +146,42 @@ def score_draft(draft: Sequence[int], target_tokens: Sequence[int]) -> float | N
     return matched_prefix_len(draft[:evaluable], target_tokens[:evaluable]) / evaluable
 
 
-# Default constants of the multiplicative weight update.
+# Default constants of the multiplicative weight update (with forgetting):
 #
-# eta = 0.5 with threshold = 0.5: a fully accepted step multiplies the weight by e^0.25 ~ 1.28,
-# a fully rejected one by e^-0.25 ~ 0.78, and a step at exactly the threshold leaves it unchanged.
-# Two drafters starting equal whose acceptances differ by d per step drift apart by a factor of
-# e^(0.5*d) per step; a drafter that is right where another is wrong (d = 1) is ~1.65x heavier
-# after one step and ~12x after five, so the one that is right on the current task takes over the
-# vote within a handful of steps, while a single unlucky step does not flip a settled ranking.
-# Using the threshold instead of rewarding every accepted token keeps a mediocre drafter (that
-# is only half right) from drifting upward just because it keeps being asked.
-_DEFAULT_LEARNING_RATE = 0.5
+#     log w  <-  (1 - forgetting) * log w  +  learning_rate * (score - threshold)
+#
+# Each step multiplies the weight by exp(learning_rate * (score - threshold)) (reward above the
+# threshold, penalty below: the paper's rule) and by w^-forgetting, which pulls it back towards 1.
+# Plain multiplicative weights (forgetting = 0) turn the noise of per-step scores into a random
+# walk: equally good drafters drift apart until one outvotes the others and the majority is lost.
+# With forgetting the log-weight is an exponential average of the last ~1/forgetting = 10
+# verified steps, settling at learning_rate/forgetting * (mean score - threshold): 2*(a - 0.5) for
+# a drafter of acceptance a, so a always-right drafter weighs e^1 = 2.7, an always-wrong one
+# e^-1 = 0.37 (a 7.4x range), and equally good drafters weigh about the same, so agreement of
+# several of them decides. Within a request the weights follow a change of task within a few steps.
+# Tuned on recorded drafts of three noisy copies of a tiny target (mean accepted length of the
+# vote, k=4): plain MW eta=0.5 2.84, eta=0.1 2.93, equal weights 2.96, this rule 2.99, best single
+# drafter 2.85.
+_DEFAULT_LEARNING_RATE = 0.2
+_DEFAULT_FORGETTING = 0.1
 _DEFAULT_THRESHOLD = 0.5
-# Weights are clipped to [0.05, 20]: a 400x range. Without a floor, a drafter that was poor for a
-# long stretch would need as many good steps to recover as it had bad ones; at 0.05 it needs at
-# most ln(400)/0.25 ~ 24 fully accepted steps to climb back to the ceiling (about 12 to return to
-# 1.0), so it can recover when the text changes character. The ceiling bounds the ratio between
-# any two drafters at 400x, so a long-dominant drafter cannot bank unbounded credit: once it starts
-# being wrong while another is right, the ratio shrinks by e^0.5 per step and the other overtakes
-# it within ln(400)/0.5 ~ 12 steps (sooner when several others agree against it).
+# Weights are also clipped to [0.05, 20], a guard for user-given prior weights and for rules with
+# little forgetting: no drafter can be silenced for good, and none can bank unbounded credit.
 _DEFAULT_MIN_WEIGHT = 0.05
 _DEFAULT_MAX_WEIGHT = 20.0
 
 
 @dataclass(frozen=True)
 class WeightUpdateRule:
-    """Multiplicative weight update: ``w * exp(eta * (score - threshold))`` clipped to bounds.
+    """Multiplicative weight update with forgetting, clipped to bounds.
+
+    ``log w <- (1 - forgetting) * log w + learning_rate * (score - threshold)``.
 
     See the comments on the default constants above for why these values.
     """
 
     learning_rate: float = _DEFAULT_LEARNING_RATE
+    forgetting: float = _DEFAULT_FORGETTING
     threshold: float = _DEFAULT_THRESHOLD
     min_weight: float = _DEFAULT_MIN_WEIGHT
     max_weight: float = _DEFAULT_MAX_WEIGHT
@@ -184,6 +189,8 @@ class WeightUpdateRule:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
             raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate!r}")
+        if not (0.0 <= self.forgetting <= 1.0):
+            raise ValueError(f"forgetting must be in [0, 1], got {self.forgetting!r}")
         if not (0.0 <= self.threshold <= 1.0):
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
         if not (math.isfinite(self.min_weight) and self.min_weight > 0):
@@ -210,15 +217,15 @@ class WeightUpdateRule:
             raise ValueError(f"weight must be finite and > 0, got {weight!r}")
         if not (0.0 <= score <= 1.0):
             raise ValueError(f"score must be in [0, 1] or None, got {score!r}")
-        exponent = self.learning_rate * (score - self.threshold)
-        # Decide clipping in log space so a large learning_rate cannot overflow math.exp.
-        log_new = math.log(weight) + exponent
+        # Clip in log space so a large learning_rate cannot overflow math.exp.
+        log_new = (1.0 - self.forgetting) * math.log(weight) + self.learning_rate * (
+            score - self.threshold
+        )
         if log_new >= math.log(self.max_weight):
             return self.max_weight
         if log_new <= math.log(self.min_weight):
             return self.min_weight
-        # The final clip only guards against last-ulp rounding of the product.
-        return self.clip(weight * math.exp(exponent))
+        return self.clip(math.exp(log_new))
 
 
 class DrafterWeights:

@@ -238,12 +238,17 @@ def test_score_draft_in_unit_interval_or_none(draft: list[int], target: list[int
 
 def test_update_rule_values() -> None:
     rule = WeightUpdateRule()
-    assert rule.updated(1.0, 1.0) == pytest.approx(math.exp(0.25))
-    assert rule.updated(1.0, 0.0) == pytest.approx(math.exp(-0.25))
+    assert rule.updated(1.0, 1.0) == pytest.approx(math.exp(0.2 * 0.5))
+    assert rule.updated(1.0, 0.0) == pytest.approx(math.exp(-0.2 * 0.5))
     assert rule.updated(1.0, 0.5) == pytest.approx(1.0)
     assert rule.updated(3.0, None) == 3.0
-    assert rule.updated(rule.max_weight, 1.0) == rule.max_weight
-    assert rule.updated(rule.min_weight, 0.0) == rule.min_weight
+    # Forgetting pulls a weight back towards 1 when the score sits at the threshold.
+    assert rule.updated(4.0, 0.5) == pytest.approx(4.0**0.9)
+    assert rule.updated(0.25, 0.5) == pytest.approx(0.25**0.9)
+    plain = WeightUpdateRule(learning_rate=0.5, forgetting=0.0)
+    assert plain.updated(1.0, 1.0) == pytest.approx(math.exp(0.25))
+    assert plain.updated(plain.max_weight, 1.0) == plain.max_weight
+    assert plain.updated(plain.min_weight, 0.0) == plain.min_weight
     # A huge learning rate clips instead of overflowing.
     big = WeightUpdateRule(learning_rate=1e6)
     assert big.updated(1.0, 1.0) == big.max_weight
@@ -256,6 +261,7 @@ def test_update_rule_values() -> None:
         ({"learning_rate": -0.1}, "learning_rate"),
         ({"learning_rate": math.nan}, "learning_rate"),
         ({"threshold": 1.5}, "threshold"),
+        ({"forgetting": 1.5}, "forgetting"),
         ({"threshold": -0.1}, "threshold"),
         ({"min_weight": 0.0}, "min_weight"),
         ({"min_weight": 5.0, "max_weight": 1.0}, "max_weight"),

@@ -4,6 +4,7 @@
 | --- | --- | --- | --- | --- |
 | engine_args_speculative | `vllm.engine.arg_utils.EngineArgs.create_speculative_config` | `SpeculativeConfig` refuses `method: smurfs` and its keys | validate a `SmurfsConfig`, store it in `additional_config["smurfs"]`, pass vLLM the equivalent `custom_class` config | vLLM lets plugins register speculative methods |
 | cli_speculative_config | `vllm.engine.arg_utils.EngineArgs.add_cli_args` | `--speculative-config` takes inline JSON only | the option's `type` also reads a JSON file path | vLLM accepts a path there |
+| rejection_sampler_expand | `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` (CPU only) | the CPU kernel wrapper never writes float outputs: verification at temperature > 0 divides logits by uninitialised memory, lossy for every method | a `torch.repeat_interleave` version on CPU | the CPU wrapper writes float outputs back |
 | model_runner_propose | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids` | custom proposers get no request ids or lifecycle events | hand the proposer a `StepContext` (req ids, finished, preempted/resumed, lookahead) before vLLM's body | vLLM passes them to custom proposers |
 
 Each patch records the original (see `_patching`), refuses to patch twice, and is tested in
@@ -18,6 +19,7 @@ PATCH_MODULES = (
     "vllm_smurfs.patches.engine_args_speculative",
     "vllm_smurfs.patches.cli_speculative_config",
     "vllm_smurfs.patches.model_runner_propose",
+    "vllm_smurfs.patches.rejection_sampler_expand",
 )
 
 

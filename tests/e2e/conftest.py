@@ -1,0 +1,55 @@
+"""Shared fixtures of the end-to-end tests: tiny models built once, generation runs cached.
+
+Every engine runs in its own process (`vllm_smurfs.runner`), on the real vLLM CPU engine, in
+float32: bf16 flips near-ties whenever the computation shape changes, for vLLM's own methods too.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from vllm_smurfs.runner import Job, Result, run_job
+from vllm_smurfs.tiny_models import TINY_PROMPTS, TinyFamily, build_tiny_family
+
+# Different budgets per prompt, so some requests finish early while others keep going.
+MAX_TOKENS = [8, 64, 16, 64, 3, 48, 64, 32]
+LOOKAHEAD = 4
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory: pytest.TempPathFactory) -> TinyFamily:
+    return build_tiny_family(tmp_path_factory.mktemp("tiny-models"), num_drafts=3)
+
+
+def smurfs_config(family: TinyFamily, **extra) -> dict:
+    return {"method": "smurfs", "num_speculative_tokens": LOOKAHEAD,
+            "drafters": [{"model": d} for d in family.drafts], **extra}
+
+
+@pytest.fixture(scope="session")
+def greedy_runs(family: TinyFamily):
+    """Cached greedy runs by name: 'none', 'smurfs', 'draft_model-<i>'."""
+
+    @functools.cache
+    def get(name: str) -> Result:
+        if name == "none":
+            spec = None
+        elif name == "smurfs":
+            spec = smurfs_config(family)
+        else:
+            index = int(name.rsplit("-", 1)[1])
+            spec = {"method": "draft_model", "model": family.drafts[index],
+                    "num_speculative_tokens": LOOKAHEAD}
+        result = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS),
+                             speculative_config=spec, max_tokens=MAX_TOKENS))
+        print(f"\n[{name}] lengths={[len(t) for t in result.token_ids]} "
+              f"mean_acceptance_length={result.mean_acceptance_length} "
+              f"per_position={[round(a, 3) for a in result.acceptance_per_position]}")
+        if result.smurfs_stats:
+            print(f"[{name}] smurfs_stats={json.dumps(result.smurfs_stats)}")
+        return result
+
+    return get

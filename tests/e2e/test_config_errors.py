@@ -1,0 +1,75 @@
+"""Each configuration mistake gets a message naming the setting and what was expected."""
+
+import json
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_smurfs.patches.cli_speculative_config import parse_speculative_config
+
+pytestmark = pytest.mark.e2e
+
+
+def engine_config(target: str, spec: dict):
+    return EngineArgs(model=target, dtype="float32", max_model_len=256,
+                      speculative_config=spec).create_engine_config()
+
+
+def smurfs(drafters, **extra):
+    return {"method": "smurfs", "num_speculative_tokens": 4, "drafters": drafters, **extra}
+
+
+def test_valid_config_becomes_custom_class(family):
+    config = engine_config(family.target, smurfs([{"model": d} for d in family.drafts]
+                                                 + [{"method": "ngram"}]))
+    assert config.speculative_config.method == "custom_class"
+    assert config.speculative_config.model == "vllm_smurfs.proposer.SmurfsProposer"
+    assert config.speculative_config.num_speculative_tokens == 4
+    assert len(config.additional_config["smurfs"]["drafters"]) == 4
+
+
+@pytest.mark.parametrize(
+    ("make_spec", "expected"),
+    [
+        (lambda f: smurfs([{"model": f.drafts[0]}], drafter="x"),
+         r"speculative_config\.drafter: unknown key; allowed keys: method, num_speculative_tokens"),
+        (lambda f: smurfs([{"model": f.drafts[0], "temperature": 0}]),
+         r"drafters\[0\]\.temperature: unknown key; allowed keys: method, model"),
+        (lambda f: smurfs([]), r"speculative_config\.drafters: List should have at least 1 item"),
+        (lambda f: smurfs([{"model": "/no/such/model"}]),
+         r"drafters\[0\]\.model: path '/no/such/model' does not exist"),
+        (lambda f: smurfs([{"model": f.drafts[0]}], num_speculative_tokens=0),
+         r"num_speculative_tokens: Input should be greater than or equal to 1"),
+        (lambda f: smurfs([{"model": f.drafts[0]}], num_speculative_tokens=64),
+         r"num_speculative_tokens: Input should be less than or equal to 16"),
+        (lambda f: smurfs([{"method": "eagle"}]), r"drafters\[0\]: unknown drafter method"),
+        (lambda f: smurfs([{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}]),
+         r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(2\)"),
+    ],
+)
+def test_config_error_messages(family, make_spec, expected):
+    with pytest.raises(ValueError, match=expected):
+        engine_config(family.target, make_spec(family))
+
+
+def test_drafter_with_other_vocabulary_is_refused(family, tmp_path):
+    other = tmp_path / "other-vocab"
+    other.mkdir()
+    config = json.loads((__import__("pathlib").Path(family.target) / "config.json").read_text())
+    config["vocab_size"] = 1234
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as info:
+        engine_config(family.target, smurfs([{"model": str(other)}]))
+    message = str(info.value)
+    assert str(other) in message and family.target in message
+    assert "1234" in message and "600" in message
+
+
+def test_cli_value_is_a_path_or_inline_json(tmp_path):
+    spec = smurfs([{"model": "/m"}])
+    path = tmp_path / "smurfs.json"
+    path.write_text(json.dumps(spec))
+    assert parse_speculative_config(str(path)) == spec
+    assert parse_speculative_config(json.dumps(spec)) == spec
+    with pytest.raises(Exception, match="expected inline JSON or the path of a JSON file"):
+        parse_speculative_config(str(tmp_path / "missing.json"))

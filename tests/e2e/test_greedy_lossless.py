@@ -1,0 +1,34 @@
+"""Greedy Smurfs output is the target's own, token for token and in length."""
+
+import pytest
+
+from vllm_smurfs.runner import divergences
+
+pytestmark = pytest.mark.e2e
+
+
+def test_smurfs_greedy_identical_to_no_speculation(greedy_runs):
+    reference, smurfs = greedy_runs("none"), greedy_runs("smurfs")
+    lengths = [len(t) for t in reference.token_ids]
+    # The batch must really mix requests that stop early with ones that keep going.
+    assert min(lengths) < max(lengths)
+    assert smurfs.num_drafts > 0, "Smurfs proposed no draft at all: nothing was tested"
+    assert smurfs.num_accepted_tokens > 0
+    assert divergences(reference.token_ids, smurfs.token_ids) == {}
+
+
+def test_smurfs_beats_worst_single_draft(greedy_runs):
+    smurfs = greedy_runs("smurfs")
+    singles = [greedy_runs(f"draft_model-{i}") for i in range(3)]
+    figures = {f"draft_model-{i}": r.mean_acceptance_length for i, r in enumerate(singles)}
+    figures["smurfs"] = smurfs.mean_acceptance_length
+    print(f"\nmean acceptance length: {figures}")
+    for single in singles:  # vLLM's own method is lossless in float32 too
+        assert divergences(greedy_runs("none").token_ids, single.token_ids) == {}
+    assert smurfs.mean_acceptance_length > min(r.mean_acceptance_length for r in singles)
+    stats = smurfs.smurfs_stats
+    assert stats is not None and len(stats["drafters"]) == 3
+    assert sum(d["vote_wins"] for d in stats["drafters"]) == stats["proposed_drafts"]
+    # The proposer's own count agrees with vLLM's acceptance counters.
+    assert stats["verified_drafts"] == smurfs.num_drafts
+    assert stats["accepted_tokens"] == smurfs.num_accepted_tokens

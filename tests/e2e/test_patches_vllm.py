@@ -1,0 +1,49 @@
+"""The patches against the real vLLM symbols they replace."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+
+def test_register_is_idempotent_and_patches_targets():
+    from importlib.metadata import entry_points
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_smurfs import patches, plugin
+    from vllm_smurfs.patches import _patching
+
+    (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "smurfs"]
+    assert entry.load() is plugin.register
+    plugin.register()
+    plugin.register()
+    assert patches.apply_all() == []  # everything already applied, nothing stacked twice
+    assert _patching.is_patched(EngineArgs, "create_speculative_config")
+    assert _patching.is_patched(EngineArgs, "add_cli_args")
+    assert _patching.is_patched(GPUModelRunner, "propose_draft_token_ids")
+    assert _patching.is_patched(rejection_sampler, "expand_batch_to_tokens")  # CPU machine
+
+
+def test_vllm_cpu_expand_is_still_broken_and_ours_is_right():
+    """If the first assertion fails, vLLM fixed its CPU kernel: the patch can go."""
+    import vllm._custom_ops  # noqa: F401 - loads the C++ kernels
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    from vllm_smurfs.patches import _patching
+    from vllm_smurfs.patches.rejection_sampler_expand import expand_batch_to_tokens
+
+    temperature = torch.tensor([1.0, 0.7, 0.0, 2.5])  # 0.0 = greedy request
+    cu_num_tokens = torch.tensor([2, 3, 5, 6], dtype=torch.int32)
+    expected = torch.tensor([1.0, 1.0, 0.7, 1.0, 1.0, 2.5])
+    current_platform.register_triton_kernel_overrides()
+    vllm_version = _patching.original(rejection_sampler, "expand_batch_to_tokens")
+    vllm_result = vllm_version(temperature, cu_num_tokens, 6, replace_from=0, replace_to=1)
+    assert not torch.equal(vllm_result, expected), "vLLM's CPU expand works now: drop the patch"
+    ours = expand_batch_to_tokens(temperature, cu_num_tokens, 6, replace_from=0, replace_to=1)
+    assert torch.equal(ours, expected)
+    top_k = torch.tensor([5, 0, 7], dtype=torch.int32)
+    assert expand_batch_to_tokens(top_k, torch.tensor([1, 3, 4]), 4).tolist() == [5, 0, 0, 7]

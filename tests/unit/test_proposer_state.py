@@ -1,0 +1,91 @@
+"""SmurfsProposer's per-request bookkeeping, with a scripted drafter runtime (no engine).
+
+The proposer imports no vLLM: the worker runtime is swapped for a fake that returns scripted
+drafts, so request-id keyed state, freeing, learning and lookahead caps are tested in
+milliseconds. The real drafters are exercised end to end in tests/e2e.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_smurfs import proposer as proposer_module
+from vllm_smurfs.proposer import SmurfsProposer, StepContext
+
+K = 4
+
+
+class ScriptedWorker:
+    """Drafter d proposes ``script[d](context)``; records what it was asked."""
+
+    def __init__(self, config, **_):
+        self.names = [f"d{i}" for i in range(len(config.drafters))]
+        self.script = [lambda ctx, k: [7] * k, lambda ctx, k: [7, 8, 9][:k]]
+        self.asked: list = []
+
+    def start(self):
+        pass
+
+    def draft(self, requests):
+        self.asked.append([(r.req_id, len(r.context), r.k) for r in requests])
+        return [[self.script[d](r.context, r.k) for d in range(len(self.names))]
+                for r in requests]
+
+    def health(self):
+        return [SimpleNamespace(alive=True, steps_late=0) for _ in self.names]
+
+
+@pytest.fixture
+def proposer(monkeypatch):
+    monkeypatch.setattr(proposer_module, "MultiDraftWorker", ScriptedWorker)
+    smurfs = {"method": "smurfs", "num_speculative_tokens": K, "log_stats_interval_s": 0,
+              "drafters": [{"model": "/a"}, {"model": "/b"}]}
+    vllm_config = SimpleNamespace(
+        additional_config={"smurfs": smurfs},
+        model_config=SimpleNamespace(max_model_len=64, dtype="float32",
+                                     trust_remote_code=False),
+        scheduler_config=SimpleNamespace(max_num_seqs=8))
+    p = SmurfsProposer(vllm_config)
+    p.load_model(None)
+    return p
+
+
+def step(p, req_ids, sampled, lengths, finished=(), restarted=(), max_spec=K):
+    tokens = np.zeros((8, 64), dtype=np.int32)
+    p.begin_step(StepContext(list(req_ids), frozenset(finished), frozenset(restarted), max_spec))
+    return p.propose(sampled, np.array(lengths + [0] * (8 - len(lengths))), tokens)
+
+
+def test_requires_step_context(proposer):
+    with pytest.raises(RuntimeError, match="patch of GPUModelRunner.propose_draft_token_ids"):
+        proposer.propose([[1]], np.array([3]), np.zeros((1, 64), dtype=np.int32))
+
+
+def test_vote_per_request_and_state_follows_request_ids(proposer):
+    # Equal weights, drafters disagree at depth 1: tie goes to the first drafter.
+    out = step(proposer, ["a", "b"], [[5], [6]], [10, 20])
+    assert out == [[7, 7, 7, 7], [7, 7, 7, 7]]
+    # Rows swap; the target produced 7,8,9,... for "a": drafter 1 was right, drafter 0 was not.
+    out = step(proposer, ["b", "a"], [[1], [7, 8, 9]], [21, 13])
+    state_a, state_b = proposer._states["a"], proposer._states["b"]
+    assert state_a.weights.weights[1] > state_a.weights.weights[0]
+    assert state_b.weights.weights == pytest.approx(state_b.weights.weights[::-1])
+    # "a" now follows drafter 1 (its weight outgrew drafter 0's); "b" still the tie-break.
+    assert out == [[7, 7, 7, 7], [7, 8, 9]]
+    assert proposer.stats.verified_drafts == 2
+
+
+def test_partial_prefill_rows_get_no_draft_and_lookahead_is_capped(proposer):
+    out = step(proposer, ["a", "b", "c"], [[], [3], [4]], [10, 62, 10], max_spec=2)
+    # "a" sampled nothing (still prefilling); "b" has room for 1 draft token under
+    # max_model_len 64 (62 tokens + 1 draft + 1 bonus); "c" gets the scheduler's cap of 2.
+    assert proposer.worker.asked[-1] == [("b", 62, 1), ("c", 10, 2)]
+    assert out == [[], [7], [7, 7]]
+
+
+def test_finished_and_restarted_requests_are_freed(proposer):
+    step(proposer, ["a", "b", "c"], [[1], [1], [1]], [5, 5, 5])
+    assert set(proposer._states) == {"a", "b", "c"}
+    step(proposer, ["b"], [[1]], [6], finished={"a"}, restarted={"c"})
+    assert set(proposer._states) == {"b"}

@@ -1,0 +1,172 @@
+"""Run one offline generation job in a fresh process and return its tokens and acceptance figures.
+
+The demo and the end-to-end tests compare several engines (no speculation, vLLM's draft_model,
+Smurfs) on the same prompts. Each engine runs in its own process: vLLM engines do not tear down
+cleanly inside one process, and a fresh process gives every method the same start.
+
+    result = run_job(Job(target=..., prompts=[...], speculative_config={...}))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Job:
+    target: str
+    prompts: list[str]
+    speculative_config: dict[str, Any] | None = None
+    max_tokens: list[int] | int = 32
+    temperature: float = 0.0
+    seeds: list[int] | None = None  # one sampling seed per prompt (for temperature > 0)
+    dtype: str = "float32"
+    max_model_len: int = 512
+    chat_template: bool = False  # apply the tokenizer's chat template to each prompt
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    token_ids: list[list[int]]
+    texts: list[str]
+    elapsed_s: float  # generate() only, not start-up
+    startup_s: float
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    smurfs_stats: dict[str, Any] | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """1 + accepted / drafts: tokens produced per verified draft."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / self.num_drafts for a in self.accepted_per_position] if self.num_drafts else []
+
+
+def first_divergence(reference: list[int], other: list[int]) -> int | None:
+    """First position where two outputs differ (a length difference counts), None if equal."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None if len(reference) == len(other) else min(len(reference), len(other))
+
+
+def divergences(reference: list[list[int]], other: list[list[int]]) -> dict[int, int]:
+    """{prompt index: first divergent position} over all prompts; empty when identical."""
+    if len(reference) != len(other):
+        raise ValueError(f"{len(reference)} reference outputs but {len(other)} to compare")
+    found = {i: first_divergence(a, b) for i, (a, b) in enumerate(zip(reference, other))}
+    return {i: pos for i, pos in found.items() if pos is not None}
+
+
+def run_job(job: Job, timeout_s: float = 900.0) -> Result:
+    """Run ``job`` in a child process (in-process engine there) and return its result."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **job.env}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with tempfile.TemporaryDirectory(prefix="smurfs-job-") as tmp:
+        job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
+        with open(job_path, "w") as f:
+            json.dump(asdict(job), f)
+        proc = subprocess.run([sys.executable, "-m", "vllm_smurfs.runner", job_path, result_path],
+                              env=env, timeout=timeout_s, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(result_path):
+            raise RuntimeError(f"generation job failed (exit {proc.returncode}):\n"
+                               f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        with open(result_path) as f:
+            return Result(**json.load(f))
+
+
+def _execute(job: Job) -> Result:
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=job.target, dtype=job.dtype, max_model_len=job.max_model_len, seed=0,
+              enforce_eager=True, disable_log_stats=False,
+              speculative_config=job.speculative_config)
+    startup_s = time.perf_counter() - started
+    n = len(job.prompts)
+    max_tokens = job.max_tokens if isinstance(job.max_tokens, list) else [job.max_tokens] * n
+    seeds = job.seeds or [None] * n
+    params = [SamplingParams(max_tokens=m, temperature=job.temperature, seed=s)
+              for m, s in zip(max_tokens, seeds)]
+    tokenizer = llm.get_tokenizer()
+    prompts: list[Any] = []
+    for text in job.prompts:
+        if job.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            prompts.append({"prompt_token_ids": list(ids)})
+        else:
+            prompts.append(text)
+    before = _spec_counters(llm)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed_s = time.perf_counter() - started
+    after = _spec_counters(llm)
+    drafts = after["num_drafts"] - before["num_drafts"]
+    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * 64)]
+    return Result(
+        token_ids=[list(o.outputs[0].token_ids) for o in outputs],
+        texts=[o.outputs[0].text for o in outputs],
+        elapsed_s=elapsed_s,
+        startup_s=startup_s,
+        num_drafts=drafts,
+        num_draft_tokens=after["num_draft_tokens"] - before["num_draft_tokens"],
+        num_accepted_tokens=after["num_accepted_tokens"] - before["num_accepted_tokens"],
+        accepted_per_position=per_pos,
+        smurfs_stats=_smurfs_stats(llm),
+    )
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                           "per_pos": []}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in out and name != "per_pos":
+            out[name] = int(metric.value)
+        elif name == "num_accepted_tokens_per_pos":
+            out["per_pos"] = [int(v) for v in metric.values]
+    return out
+
+
+def _smurfs_stats(llm: Any) -> dict[str, Any] | None:
+    from vllm_smurfs.metrics import get_smurfs_stats
+
+    try:
+        return get_smurfs_stats(llm)
+    except ValueError:
+        return None
+
+
+def main() -> None:
+    job_path, result_path = sys.argv[1], sys.argv[2]
+    with open(job_path) as f:
+        job = Job(**json.load(f))
+    result = _execute(job)
+    with open(result_path, "w") as f:
+        json.dump(asdict(result), f)
+
+
+if __name__ == "__main__":
+    main()
