@@ -147,11 +147,24 @@ class SmurfsConfig(_Strict):
         min_length=1, description="Model drafters and model-free voters, in priority order."
     )
     vote: VoteConfig = Field(default_factory=VoteConfig, description="Weight update settings.")
+    pipeline: bool = Field(
+        default=True,
+        description="Draft ahead: model drafters continue past the voted chain while the target "
+        "verifies it, and a step waits at most draft_wait_s for drafts not ready. False: "
+        "synchronous drafting (each step waits up to draft_timeout_s).",
+    )
+    draft_wait_s: float = Field(
+        default=0.1,
+        ge=0,
+        description="Pipelined mode: longest wait per step for model drafters to answer requests "
+        "with no draft ready; a late answer still serves the next steps.",
+    )
     draft_timeout_s: float = Field(
         default=30.0,
         gt=0,
-        description="Longest wait for a model drafter per step; a late drafter's draft is "
-        "dropped for that step (it costs speculation, never a token).",
+        description="A model drafter that leaves a request unanswered this long is declared "
+        "hung, stopped and left out (it costs speculation, never a token); in synchronous mode "
+        "also the longest wait per step.",
     )
     log_stats_interval_s: float = Field(
         default=10.0, ge=0, description="Period of the per-drafter log line; 0 disables it."

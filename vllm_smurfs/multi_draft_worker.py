@@ -41,6 +41,10 @@ _INHERITED_ENV_TO_DROP = (
     "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES_OVERRIDE",
 )
 _INHERITED_ENV_PREFIXES_TO_DROP = ("KMP_", "OMP_", "GOMP_")
+# Messages a drafter may have unanswered before it is skipped: the server answers everything it
+# has read with each engine call, so a healthy drafter stays at 1-2; the bound keeps a stalled one
+# from filling its socket until send() would block the target.
+MAX_MESSAGES_IN_FLIGHT = 4
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,8 @@ class DrafterHealth:
     name: str
     alive: bool = True
     steps_answered: int = 0
-    steps_late: int = 0
-    steps_skipped_busy: int = 0
+    steps_late: int = 0  # steps whose wait ended before this drafter's answer
+    steps_skipped_busy: int = 0  # steps it was not asked: too many messages unanswered
     last_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -65,7 +69,7 @@ class ModelDrafterClient:
     """One small draft model in its own process, reached over a local socket."""
 
     def __init__(self, spec: ModelDrafterConfig, dtype: str, max_model_len: int,
-                 max_num_seqs: int, trust_remote_code: bool) -> None:
+                 max_num_seqs: int, trust_remote_code: bool, hang_timeout_s: float) -> None:
         self.spec = spec
         self.name = spec.display_name
         self.health = DrafterHealth(self.name)
@@ -78,13 +82,19 @@ class ModelDrafterClient:
             "kv_cache_gib": spec.kv_cache_gib,
             "gpu_memory_utilization": spec.gpu_memory_utilization,
             "trust_remote_code": trust_remote_code,
-            "cpus": spec.cpus or sorted(os.sched_getaffinity(0) | _all_cpus()),
+            "cpus": spec.cpus or _free_cpus(),
+            "name": self.name,
         }
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._listener: Listener | None = None
-        self._step = 0
-        self._pending_step: int | None = None  # the step whose answer is outstanding
+        self._job_id = 0
+        self._jobs: dict[int, tuple[str, np.ndarray]] = {}  # unanswered job -> (req_id, context)
+        self._newest_job: dict[str, int] = {}  # req_id -> its newest job
+        self._paths: dict[str, np.ndarray] = {}  # req_id -> context + drafted tokens
+        self._unanswered = 0  # messages sent that the server has not taken into an answer yet
+        self._unanswered_since: float | None = None
+        self.hang_timeout_s = hang_timeout_s
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,59 +155,109 @@ class ModelDrafterClient:
             self._listener = None
 
     # -- drafting -----------------------------------------------------------------------------
-    def submit(self, requests: Sequence[DraftRequest]) -> bool:
-        """Send a step's requests; False if this drafter cannot take them now."""
-        if not self.health.alive or self._conn is None:
-            return False
-        if self._pending_step is not None and not self._drain_late_answer():
+    # A drafter's answer is kept as a *path*: the context it was asked about followed by the tokens
+    # it drafted. Whatever the target does next, the path still gives a draft for any context that
+    # is a proper prefix of it: after a full acceptance (when the path was drafted ahead, past the
+    # voted chain), after a one-token step whose token the drafter had guessed, or after a late
+    # answer. A path the target has left behind gives nothing and is replaced by the next answer.
+
+    def submit(self, jobs: Sequence[tuple[str, np.ndarray, int]]) -> list[int]:
+        """Send ``(req_id, context, n)`` jobs (draft n tokens after context); return job ids."""
+        if not self.health.alive or self._conn is None or not jobs:
+            return []
+        if self._unanswered >= MAX_MESSAGES_IN_FLIGHT:
+            # Behind (or hung): sending more would only fill the socket until send() blocks.
             self.health.steps_skipped_busy += 1
-            return False
-        self._step += 1
-        batch = [(r.req_id, r.context.tolist(), r.k) for r in requests]
+            self._check_hung()
+            return []
+        batch, ids = [], []
+        for req_id, context, n in jobs:
+            self._job_id += 1
+            superseded = self._newest_job.get(req_id)
+            if superseded is not None:
+                self._jobs.pop(superseded, None)  # the server drops it, or answers it late
+            self._newest_job[req_id] = self._job_id
+            self._jobs[self._job_id] = (req_id, context)
+            batch.append((self._job_id, req_id, context.tolist(), n))
+            ids.append(self._job_id)
+        if not self._send(("draft", batch)):
+            return []
+        return ids
+
+    def wait_for(self, job_ids: Sequence[int], deadline: float) -> bool:
+        """Take answers until ``job_ids`` are answered or ``deadline``; True if all were."""
+        waiting = set(job_ids)
+        while waiting & self._jobs.keys():
+            if not self._receive(max(0.0, deadline - time.monotonic())):
+                self.health.steps_late += 1
+                self._check_hung()
+                return False
+        return True
+
+    def poll(self) -> None:
+        """Take every answer that has already arrived."""
+        while self._receive(0.0):
+            pass
+
+    def draft_for(self, req_id: str, context: np.ndarray, k: int) -> list[int] | None:
+        """Up to k tokens continuing ``context`` along this drafter's path, or None."""
+        path = self._paths.get(req_id)
+        n = len(context)
+        if path is None or len(path) <= n or not np.array_equal(path[:n], context):
+            return None
+        return path[n : n + k].tolist()
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        for req_id in req_ids:
+            self._paths.pop(req_id, None)
+            job = self._newest_job.pop(req_id, None)
+            if job is not None:
+                self._jobs.pop(job, None)
+        if self.health.alive and self._conn is not None and req_ids:
+            self._send(("forget", list(req_ids)))
+
+    def _send(self, message: tuple[Any, ...]) -> bool:
+        assert self._conn is not None
         try:
-            self._conn.send(("draft", self._step, batch))
+            self._conn.send(message)
         except OSError as exc:
             self._fail(f"send failed: {exc}")
             return False
-        self._pending_step = self._step
+        self._unanswered += 1
+        if self._unanswered_since is None:
+            self._unanswered_since = time.monotonic()
         return True
 
-    def collect(self, deadline: float) -> list[list[int]] | None:
-        """The drafts of the last submitted step, or None if not there by ``deadline``."""
-        assert self._conn is not None
-        while True:
-            try:
-                ready = self._conn.poll(max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    self.health.steps_late += 1
-                    return None
-                message = self._conn.recv()
-            except (EOFError, OSError) as exc:
-                self._fail(f"connection lost: {exc!r}")
-                return None
-            if message[0] == "error":
-                self._pending_step = None
-                self.health.last_error = message[1]
-                logger.warning("Smurfs drafter %s failed a step:\n%s", self.name, message[1])
-                return None
-            if message[1] == self._pending_step:
-                self._pending_step = None
-                self.health.steps_answered += 1
-                return message[2]
-            # an answer to an earlier, timed-out step: stale, drop it
+    def _check_hung(self) -> None:
+        since = self._unanswered_since
+        if since is not None and time.monotonic() - since > self.hang_timeout_s:
+            self._fail(f"no answer for {time.monotonic() - since:.1f} s")
 
-    def _drain_late_answer(self) -> bool:
-        """Drop a late answer if it has arrived; True if the drafter is free again."""
-        assert self._conn is not None
+    def _receive(self, timeout: float) -> bool:
+        """Take one message within ``timeout``; False if none came (or the drafter is gone)."""
+        if not self.health.alive or self._conn is None:
+            return False
         try:
-            while self._conn.poll(0):
-                message = self._conn.recv()
-                if message[0] == "error" or message[1] == self._pending_step:
-                    self._pending_step = None
-                    return True
+            if not self._conn.poll(timeout):
+                return False
+            message = self._conn.recv()
         except (EOFError, OSError) as exc:
             self._fail(f"connection lost: {exc!r}")
-        return False
+            return False
+        self._unanswered = max(0, self._unanswered - message[1])
+        self._unanswered_since = time.monotonic() if self._unanswered else None
+        if message[0] == "error":
+            self.health.last_error = message[2]
+            logger.warning("Smurfs drafter %s failed a step:\n%s", self.name, message[2])
+            self._jobs.clear()  # that step's jobs are lost; the next step asks again
+            return True
+        self.health.steps_answered += 1
+        for job_id, tokens in message[2]:
+            job = self._jobs.pop(job_id, None)
+            if job is not None:
+                req_id, context = job
+                self._paths[req_id] = np.concatenate([context, np.asarray(tokens, context.dtype)])
+        return True
 
     def _fail(self, reason: str) -> None:
         if self.health.alive:
@@ -233,7 +293,8 @@ class MultiDraftWorker:
         for spec in config.drafters:
             if isinstance(spec, ModelDrafterConfig):
                 self.drafters.append(ModelDrafterClient(
-                    spec, dtype, max_model_len, max_num_seqs, trust_remote_code))
+                    spec, dtype, max_model_len, max_num_seqs, trust_remote_code,
+                    hang_timeout_s=config.draft_timeout_s))
             else:
                 self.drafters.append(ModelFreeDrafter(spec))
         self._started = False
@@ -258,30 +319,53 @@ class MultiDraftWorker:
         if self.model_drafters and not any(d.health.alive for d in self.model_drafters):
             logger.error("No Smurfs model drafter started; only model-free voters will draft.")
 
-    def draft(self, requests: Sequence[DraftRequest]) -> list[list[list[int]]]:
-        """drafts[i][d]: drafter d's draft for requests[i] (empty when it has none)."""
+    def draft(self, requests: Sequence[DraftRequest], wait_s: float) -> list[list[list[int]]]:
+        """drafts[i][d]: drafter d's draft for requests[i] (empty when it has none in time).
+
+        Drafts already drafted ahead are used at once; for the other requests each model drafter
+        is asked now and waited for at most ``wait_s`` (a late answer still serves later steps).
+        """
         drafts: list[list[list[int]]] = [[[] for _ in self.drafters] for _ in requests]
         if not requests:
             return drafts
-        submitted = []
-        for d, drafter in enumerate(self.drafters):
-            if isinstance(drafter, ModelDrafterClient):
-                fits = [i for i, r in enumerate(requests)
-                        if len(r.context) + r.k <= drafter.max_model_len]
-                if fits and drafter.submit([requests[i] for i in fits]):
-                    submitted.append((d, drafter, fits))
+        asked: list[tuple[ModelDrafterClient, list[int]]] = []
+        for drafter in self.model_drafters:
+            drafter.poll()
+            missing = [(r.req_id, r.context, r.k) for r in requests
+                       if drafter.draft_for(r.req_id, r.context, r.k) is None
+                       and len(r.context) + r.k <= drafter.max_model_len]
+            asked.append((drafter, drafter.submit(missing)))
         # Model-free voters run while the model drafters work.
         for d, drafter in enumerate(self.drafters):
             if isinstance(drafter, ModelFreeDrafter):
                 for i, tokens in enumerate(drafter.propose(requests)):
                     drafts[i][d] = tokens
-        deadline = time.monotonic() + self.config.draft_timeout_s
-        for d, drafter, fits in submitted:
-            answer = drafter.collect(deadline)
-            if answer is not None:
-                for i, tokens in zip(fits, answer):
-                    drafts[i][d] = tokens[: requests[i].k]
+        deadline = time.monotonic() + wait_s
+        for drafter, job_ids in asked:
+            drafter.wait_for(job_ids, deadline)
+        for d, drafter in enumerate(self.drafters):
+            if isinstance(drafter, ModelDrafterClient):
+                for i, r in enumerate(requests):
+                    drafts[i][d] = drafter.draft_for(r.req_id, r.context, r.k) or []
         return drafts
+
+    def draft_ahead(self, requests: Sequence[DraftRequest], voted: Sequence[list[int]]) -> None:
+        """Let model drafters continue past the voted chains while the target verifies them.
+
+        Each drafts k + 1 tokens after ``context + voted``: its own guess of the target's next
+        token (standing in for the bonus token), then a full next draft.
+        """
+        for drafter in self.model_drafters:
+            jobs = []
+            for request, chain in zip(requests, voted):
+                context = np.concatenate([request.context, np.asarray(chain, request.context.dtype)])
+                if len(context) + request.k + 1 <= drafter.max_model_len:
+                    jobs.append((request.req_id, context, request.k + 1))
+            drafter.submit(jobs)
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        for drafter in self.model_drafters:
+            drafter.forget(req_ids)
 
     def health(self) -> list[DrafterHealth]:
         return [d.health for d in self.drafters]
@@ -291,8 +375,15 @@ class MultiDraftWorker:
             drafter.close()
 
 
-def _all_cpus() -> set[int]:
-    return set(range(os.cpu_count() or 1))
+def _free_cpus() -> list[int]:
+    """Cores this process's compute threads are not bound to (all cores if it is unbound).
+
+    vLLM binds the target worker's threads to its cores (core 0 of 2 here, by default): drafters
+    go to the others, so drafting and verification do not fight over a core.
+    """
+    every = set(range(os.cpu_count() or 1))
+    free = every - os.sched_getaffinity(0)
+    return sorted(free or every)
 
 
 def _drafter_env(num_threads: int) -> dict[str, str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,9 @@ class StepContext:
     finished_req_ids: frozenset[str]  # finished or aborted since the last step
     restarted_req_ids: frozenset[str]  # preempted or resumed: their old drafts are void
     max_spec_tokens: int  # the scheduler's lookahead cap for this step (0 = none given)
+    # The drafts verified in this step, as the scheduler sent them (it may cut a draft short,
+    # e.g. near max_tokens); None when unknown: the proposer's own last draft is assumed.
+    verified_drafts: Mapping[str, list[int]] | None = None
 
 
 @dataclass
@@ -132,7 +135,7 @@ class SmurfsProposer:
                 "GPUModelRunner.propose_draft_token_ids is not applied (is the plugin loaded?)"
             )
         self.forget(step.finished_req_ids | step.restarted_req_ids)
-        self._learn(step.req_ids, sampled_token_ids)
+        self._learn(step, sampled_token_ids)
 
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]
         views = [RequestView(step.req_ids[i], int(num_tokens_no_spec[i]), self.max_model_len)
@@ -145,7 +148,9 @@ class SmurfsProposer:
             for i, k in zip(rows, lookaheads) if k > 0
         ]
         row_of = {step.req_ids[i]: i for i in rows}
-        drafts = self.worker.draft(requests)
+        pipelined = self.config.pipeline
+        drafts = self.worker.draft(
+            requests, self.config.draft_wait_s if pipelined else self.config.draft_timeout_s)
 
         proposals: list[list[int]] = [[] for _ in sampled_token_ids]
         for state in (self._states.get(step.req_ids[i]) for i in rows):
@@ -157,6 +162,8 @@ class SmurfsProposer:
             state.drafts, state.voted = per_drafter, vote.tokens
             proposals[row_of[request.req_id]] = vote.tokens
             self._count_proposal(vote.tokens, vote.winner)
+        if pipelined:
+            self.worker.draft_ahead(requests, [self._states[r.req_id].voted or [] for r in requests])
         self.stats.steps += 1
         self._maybe_log()
         return proposals
@@ -167,6 +174,7 @@ class SmurfsProposer:
         for req_id in req_ids:
             self._states.pop(req_id, None)
         self.policy.forget(req_ids)
+        self.worker.forget(req_ids)
 
     def _state(self, req_id: str) -> _RequestState:
         state = self._states.get(req_id)
@@ -175,18 +183,22 @@ class SmurfsProposer:
             state = self._states[req_id] = _RequestState(self.global_weights.copy())
         return state
 
-    def _learn(self, req_ids: list[str], sampled_token_ids: list[list[int]]) -> None:
+    def _learn(self, step: StepContext, sampled_token_ids: list[list[int]]) -> None:
         """Score every drafter's last draft against what the target produced."""
         feedback = []
-        for req_id, produced in zip(req_ids, sampled_token_ids):
+        for req_id, produced in zip(step.req_ids, sampled_token_ids):
             state = self._states.get(req_id)
             if state is None or state.voted is None or state.drafts is None or not produced:
                 continue
-            accepted = matched_prefix_len(state.voted, produced)
-            feedback.append(StepFeedback(req_id, len(state.voted), accepted))
-            self.stats.verified_drafts += 1
-            self.stats.verified_draft_tokens += len(state.voted)
-            self.stats.accepted_tokens += accepted
+            verified = (state.voted if step.verified_drafts is None
+                        else step.verified_drafts.get(req_id, []))
+            if verified:
+                accepted = matched_prefix_len(verified, produced)
+                feedback.append(StepFeedback(req_id, len(verified), accepted))
+                self.stats.verified_drafts += 1
+                self.stats.verified_draft_tokens += len(verified)
+                self.stats.accepted_tokens += accepted
+            # Every drafter is judged on what the target produced, verified draft or not.
             scores = [score_draft(draft, produced) for draft in state.drafts]
             state.weights.update(scores)
             self.global_weights.update(scores)

@@ -31,7 +31,8 @@ def smurfs_config(family: TinyFamily, **extra) -> dict:
 
 @pytest.fixture(scope="session")
 def greedy_runs(family: TinyFamily):
-    """Cached greedy runs by name: 'none', 'smurfs', 'draft_model-<i>'."""
+    """Cached greedy runs by name: 'none', 'smurfs' (pipelined), 'smurfs-sync',
+    'draft_model-<i>'."""
 
     @functools.cache
     def get(name: str) -> Result:
@@ -39,6 +40,8 @@ def greedy_runs(family: TinyFamily):
             spec = None
         elif name == "smurfs":
             spec = smurfs_config(family)
+        elif name == "smurfs-sync":
+            spec = smurfs_config(family, pipeline=False)
         else:
             index = int(name.rsplit("-", 1)[1])
             spec = {"method": "draft_model", "model": family.drafts[index],

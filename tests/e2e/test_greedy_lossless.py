@@ -7,8 +7,9 @@ from vllm_smurfs.runner import divergences
 pytestmark = pytest.mark.e2e
 
 
-def test_smurfs_greedy_identical_to_no_speculation(greedy_runs):
-    reference, smurfs = greedy_runs("none"), greedy_runs("smurfs")
+@pytest.mark.parametrize("mode", ["smurfs", "smurfs-sync"])
+def test_smurfs_greedy_identical_to_no_speculation(greedy_runs, mode):
+    reference, smurfs = greedy_runs("none"), greedy_runs(mode)
     lengths = [len(t) for t in reference.token_ids]
     # The batch must really mix requests that stop early with ones that keep going.
     assert min(lengths) < max(lengths)

@@ -23,14 +23,22 @@ class ScriptedWorker:
         self.names = [f"d{i}" for i in range(len(config.drafters))]
         self.script = [lambda ctx, k: [7] * k, lambda ctx, k: [7, 8, 9][:k]]
         self.asked: list = []
+        self.ahead: list = []
+        self.forgotten: list = []
 
     def start(self):
         pass
 
-    def draft(self, requests):
+    def draft(self, requests, wait_s):
         self.asked.append([(r.req_id, len(r.context), r.k) for r in requests])
         return [[self.script[d](r.context, r.k) for d in range(len(self.names))]
                 for r in requests]
+
+    def draft_ahead(self, requests, voted):
+        self.ahead.append([(r.req_id, chain) for r, chain in zip(requests, voted)])
+
+    def forget(self, req_ids):
+        self.forgotten.extend(req_ids)
 
     def health(self):
         return [SimpleNamespace(alive=True, steps_late=0) for _ in self.names]
@@ -89,3 +97,9 @@ def test_finished_and_restarted_requests_are_freed(proposer):
     assert set(proposer._states) == {"a", "b", "c"}
     step(proposer, ["b"], [[1]], [6], finished={"a"}, restarted={"c"})
     assert set(proposer._states) == {"b"}
+    assert sorted(proposer.worker.forgotten) == ["a", "c"]  # the drafters drop them too
+
+
+def test_pipelined_proposer_drafts_ahead_past_the_voted_chain(proposer):
+    out = step(proposer, ["a", "b"], [[], [3]], [10, 12])
+    assert proposer.worker.ahead[-1] == [("b", out[1])]

@@ -30,6 +30,7 @@ def _propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
                     set(cached.resumed_req_ids) | set(scheduler_output.preempted_req_ids or ())
                 ),
                 max_spec_tokens=scheduler_output.num_spec_tokens_to_schedule,
+                verified_drafts=scheduler_output.scheduled_spec_decode_tokens,
             )
         )
     return original(TARGET, NAME)(self, scheduler_output, *args, **kwargs)

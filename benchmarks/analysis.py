@@ -1,0 +1,260 @@
+"""The benchmark's arithmetic, pure (no vLLM, no torch): unit-tested in tests/unit.
+
+Definitions (vLLM's, so figures match `vllm bench serve` and `llm.get_metrics()`):
+- output tokens/s: output tokens / generation seconds, summed over prompts before dividing
+  (a long prompt weighs by its length, not one vote per prompt);
+- speedup: a method's tokens/s over the baseline's on the same prompts of the same run (prompts
+  missing from either side are left out of both);
+- mean acceptance length: 1 + accepted draft tokens / drafts (tokens produced per verified
+  draft; a step where a method proposed nothing is not a draft);
+- acceptance at position i: drafts whose token i was accepted / drafts;
+- percentiles: linear interpolation between order statistics (numpy's default);
+- identity: two greedy outputs are identical when their token ids are equal *and* their lengths
+  are (Spec-Bench's zip-based check lets a truncated output pass).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_smurfs.runner import first_divergence
+
+OVERALL = "overall"
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters over some requests."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        a = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
+        b = other.accepted_per_position + [0] * (width - len(other.accepted_per_position))
+        return SpecCounters(self.num_drafts + other.num_drafts,
+                            self.num_draft_tokens + other.num_draft_tokens,
+                            self.num_accepted_tokens + other.num_accepted_tokens,
+                            [x + y for x, y in zip(a, b)])
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> SpecCounters:
+        return cls(int(record.get("num_drafts", 0)), int(record.get("num_draft_tokens", 0)),
+                   int(record.get("num_accepted_tokens", 0)),
+                   [int(v) for v in record.get("accepted_per_position", [])])
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return acceptance_length(self.num_drafts, self.num_accepted_tokens)
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return acceptance_per_position(self.accepted_per_position, self.num_drafts)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens / draft tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+def acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float | None:
+    """1 + accepted / drafts; None without drafts (no speculation, or nothing proposed)."""
+    if num_drafts < 0 or num_accepted_tokens < 0:
+        raise ValueError(f"negative counters: {num_drafts} drafts, {num_accepted_tokens} accepted")
+    return 1 + num_accepted_tokens / num_drafts if num_drafts else None
+
+
+def acceptance_per_position(accepted_per_position: Sequence[int], num_drafts: int) -> list[float]:
+    """Fraction of drafts whose token at each position was accepted (non-increasing for a
+    prefix-accepting verifier); empty without drafts."""
+    if not num_drafts:
+        return []
+    return [a / num_drafts for a in accepted_per_position]
+
+
+def sum_counters(records: Iterable[dict[str, Any]]) -> SpecCounters:
+    total = SpecCounters()
+    for record in records:
+        total = total + SpecCounters.of(record)
+    return total
+
+
+def tokens_per_s(num_tokens: int, seconds: float) -> float | None:
+    return num_tokens / seconds if seconds > 0 else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """p-th percentile (0-100), linear interpolation (numpy's default); None for no values."""
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile {p} is outside 0-100")
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def percentiles(values: Sequence[float], ps: Sequence[float] = (50, 90, 99)) -> dict[str, Any]:
+    return {f"p{p:g}": percentile(values, p) for p in ps} | {
+        "mean": statistics.fmean(values) if values else None, "n": len(values)}
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Mean, median, standard deviation (sample), min, max of per-prompt figures."""
+    if not values:
+        return {"n": 0, "mean": None, "median": None, "stdev": None, "min": None, "max": None}
+    return {"n": len(values), "mean": statistics.fmean(values),
+            "median": statistics.median(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values)}
+
+
+def group_by_family(prompt_families: dict[int, str],
+                    indices: Iterable[int]) -> dict[str, list[int]]:
+    """{family: prompt indices} plus OVERALL, families in first-seen order."""
+    groups: dict[str, list[int]] = {}
+    all_indices = []
+    for i in indices:
+        groups.setdefault(prompt_families[i], []).append(i)
+        all_indices.append(i)
+    groups[OVERALL] = all_indices
+    return groups
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline, one prompt at a time
+
+
+def summarize_batch1(records: dict[int, dict[str, Any]], prompt_families: dict[int, str],
+                     baseline: dict[int, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Per family and overall: tokens/s, speedup over `baseline`, acceptance, spread.
+
+    records: {prompt index: {"num_output_tokens", "elapsed_s", counters...}}.
+    """
+    summary: dict[str, dict[str, Any]] = {}
+    for family, indices in group_by_family(prompt_families, sorted(records)).items():
+        rows = [records[i] for i in indices]
+        tokens = sum(r["num_output_tokens"] for r in rows)
+        seconds = sum(r["elapsed_s"] for r in rows)
+        counters = sum_counters(rows)
+        entry: dict[str, Any] = {
+            "num_prompts": len(rows), "output_tokens": tokens, "elapsed_s": seconds,
+            "tokens_per_s": tokens_per_s(tokens, seconds),
+            "per_prompt_tokens_per_s": spread([r["num_output_tokens"] / r["elapsed_s"]
+                                               for r in rows if r["elapsed_s"] > 0]),
+            "mean_acceptance_length": counters.mean_acceptance_length,
+            "acceptance_rate": counters.acceptance_rate,
+            "acceptance_per_position": counters.acceptance_per_position,
+            "num_drafts": counters.num_drafts,
+            "speedup": None,
+        }
+        if baseline is not None:
+            entry["speedup"] = speedup(records, baseline, indices)
+        summary[family] = entry
+    return summary
+
+
+def speedup(records: dict[int, dict[str, Any]], baseline: dict[int, dict[str, Any]],
+            indices: Iterable[int]) -> float | None:
+    """tokens/s of `records` over tokens/s of `baseline`, on the prompts both have."""
+    common = [i for i in indices if i in records and i in baseline]
+    if not common:
+        return None
+    mine = tokens_per_s(sum(records[i]["num_output_tokens"] for i in common),
+                        sum(records[i]["elapsed_s"] for i in common))
+    theirs = tokens_per_s(sum(baseline[i]["num_output_tokens"] for i in common),
+                          sum(baseline[i]["elapsed_s"] for i in common))
+    return ratio(mine, theirs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Served (vllm bench serve), many requests in flight
+
+
+def summarize_served(requests: dict[int, dict[str, Any]], prompt_families: dict[int, str],
+                     baseline: dict[int, dict[str, Any]] | None,
+                     ps: Sequence[float] = (50, 90, 99)) -> dict[str, dict[str, Any]]:
+    """Per family and overall: per-request decode speed, TTFT / ITL / TPOT percentiles.
+
+    requests: {prompt index: {"output_len", "ttft_s", "itls_s", "latency_s", "error"}}; failed
+    requests (error set) are counted and left out. Whole-run throughput (tokens / wall time of
+    the run) comes from vLLM's own report, not from here: it only exists overall.
+    """
+    ok = {i: r for i, r in requests.items() if not r.get("error")}
+    summary: dict[str, dict[str, Any]] = {}
+    for family, indices in group_by_family(prompt_families, sorted(requests)).items():
+        rows = [ok[i] for i in indices if i in ok]
+        tokens = sum(r["output_len"] for r in rows)
+        busy = sum(r["latency_s"] for r in rows)
+        itls = [x for r in rows for x in r["itls_s"]]
+        tpots = [tpot(r) for r in rows]
+        summary[family] = {
+            "num_requests": len(indices), "failed": len(indices) - len(rows),
+            "output_tokens": tokens,
+            "per_request_tokens_per_s": tokens_per_s(tokens, busy),
+            "ttft_ms": _scaled(percentiles([r["ttft_s"] for r in rows], ps), 1000),
+            "itl_ms": _scaled(percentiles(itls, ps), 1000),
+            "tpot_ms": _scaled(percentiles([t for t in tpots if t is not None], ps), 1000),
+            "speedup": None,
+        }
+        if baseline is not None:
+            base_ok = {i: r for i, r in baseline.items() if not r.get("error")}
+            common = [i for i in indices if i in ok and i in base_ok]
+            summary[family]["speedup"] = ratio(
+                tokens_per_s(sum(ok[i]["output_len"] for i in common),
+                             sum(ok[i]["latency_s"] for i in common)),
+                tokens_per_s(sum(base_ok[i]["output_len"] for i in common),
+                             sum(base_ok[i]["latency_s"] for i in common))) if common else None
+    return summary
+
+
+def tpot(request: dict[str, Any]) -> float | None:
+    """Time per output token after the first: (latency - TTFT) / (output tokens - 1).
+
+    Unlike ITL (time between streamed chunks), it does not depend on how many tokens a chunk
+    carries, which speculation changes.
+    """
+    if request["output_len"] < 2:
+        return None
+    return (request["latency_s"] - request["ttft_s"]) / (request["output_len"] - 1)
+
+
+def _scaled(stats: dict[str, Any], factor: float) -> dict[str, Any]:
+    return {k: (v * factor if v is not None and k != "n" else v) for k, v in stats.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Losslessness
+
+
+def identity(reference: dict[int, Sequence[Any]], other: dict[int, Sequence[Any]]
+             ) -> dict[str, Any]:
+    """Compare outputs prompt by prompt (token id lists, or texts), on the prompts both have.
+
+    Returns the number compared, identical, the identity rate, and per divergent prompt its
+    first divergent position and both lengths.
+    """
+    common = sorted(set(reference) & set(other))
+    found = []
+    for i in common:
+        position = first_divergence(list(reference[i]), list(other[i]))
+        if position is not None:
+            found.append({"prompt_index": i, "position": position,
+                          "reference_length": len(reference[i]), "length": len(other[i])})
+    identical = len(common) - len(found)
+    return {"compared": len(common), "identical": identical,
+            "identity_rate": identical / len(common) if common else None, "divergences": found}

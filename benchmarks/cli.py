@@ -1,0 +1,119 @@
+"""Command line: `python -m benchmarks run ...` and `python -m benchmarks compare A.json B.json`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+from benchmarks.provenance import REPO_ROOT
+from benchmarks.spec_bench import FAMILIES
+
+DEFAULT_DATASET = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data", "spec_bench",
+                                                "question.jsonl"))
+FULL_METHODS = ("none,none@1thread,ngram:4,draft_model:2,draft_model:4,draft_model:6,suffix:4,"
+                "smurfs:4")
+QUICK_METHODS = "none,ngram:4,draft_model:4,smurfs:4"
+#: (prompts per family, max_tokens) of each mode.
+QUICK = (2, 64)
+FULL = (10, 256)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="measure methods side by side on Spec-Bench",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    run.add_argument("--target", required=True, help="target model path")
+    run.add_argument("--draft", action="append", default=[],
+                     help="draft model path (draft_model uses the first, Smurfs all); repeatable")
+    run.add_argument("--dataset", default=DEFAULT_DATASET, help="Spec-Bench question.jsonl")
+    run.add_argument("--methods", default=None,
+                     help=f"comma-separated NAME[:K][@PLACEMENT]; default quick: {QUICK_METHODS};"
+                          f" full: {FULL_METHODS}")
+    run.add_argument("--baseline", default=None,
+                     help="label speedups are relative to (default: the first 'none' method)")
+    run.add_argument("--quick", action="store_true",
+                     help=f"{QUICK[0]} prompts per family, max_tokens {QUICK[1]}, "
+                          f"methods {QUICK_METHODS} (each overridable)")
+    run.add_argument("--prompts-per-family", type=int, default=None,
+                     help=f"0 for all (default: quick {QUICK[0]}, full {FULL[0]})")
+    run.add_argument("--families", default=",".join(FAMILIES))
+    run.add_argument("--max-tokens", type=int, default=None,
+                     help=f"output tokens per prompt (default: quick {QUICK[1]}, full {FULL[1]})")
+    run.add_argument("--max-model-len", type=int, default=4096,
+                     help="engine context limit; longer prompts are skipped")
+    run.add_argument("--dtype", default="bfloat16",
+                     help="float32 makes greedy identity exact; bf16 flips near-ties")
+    run.add_argument("--loads", default="batch1,served",
+                     help="load points among batch1, batched, served")
+    run.add_argument("--concurrency", type=int, default=16, help="requests in flight (served)")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--no-chat-template", action="store_true",
+                     help="send raw prompts even when the tokenizer has a chat template")
+    run.add_argument("--kv-cache-gib", type=float, default=2.0,
+                     help="target KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    run.add_argument("--ngram-min", type=int, default=2, help="vLLM ngram and Smurfs' voter")
+    run.add_argument("--ngram-max", type=int, default=4, help="vLLM ngram and Smurfs' voter")
+    run.add_argument("--smurfs-extra", type=json.loads, default={},
+                     help="JSON object merged into the Smurfs speculative config")
+    run.add_argument("--no-smurfs-ngram", action="store_true",
+                     help="Smurfs without the n-gram voter")
+    run.add_argument("--method-timeout-s", type=float, default=None,
+                     help="per method and load (default: 900 + 2 s per output token asked)")
+    run.add_argument("--no-margins", action="store_true",
+                     help="skip the target forward that measures top-2 margins at divergences")
+    run.add_argument("--no-plots", action="store_true")
+    run.add_argument("--out", default=None,
+                     help="output folder (default: benchmarks/results/tmp/<time>-<mode>)")
+
+    compare = sub.add_parser("compare", help="two result JSONs side by side with ratios")
+    compare.add_argument("a")
+    compare.add_argument("b")
+    compare.add_argument("--family", default="overall",
+                         help="a family instead of overall: " + ", ".join(FAMILIES))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "compare":
+        from benchmarks.compare import compare, load_result
+
+        print(compare(load_result(args.a), load_result(args.b), args.family))
+        return 0
+
+    from benchmarks.run import RunSettings, run
+
+    per_family, max_tokens = QUICK if args.quick else FULL
+    mode = "quick" if args.quick else "full"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or os.path.join(REPO_ROOT, "benchmarks", "results", "tmp", f"{stamp}-{mode}")
+    loads = [x.strip() for x in args.loads.split(",") if x.strip()]
+    unknown = sorted(set(loads) - {"batch1", "batched", "served"})
+    if unknown:
+        build_parser().error(f"--loads: unknown {', '.join(unknown)}; expected batch1, batched, served")
+    settings = RunSettings(
+        target=args.target, drafts=args.draft, dataset=args.dataset,
+        methods=args.methods or (QUICK_METHODS if args.quick else FULL_METHODS), out_dir=out,
+        baseline=args.baseline, quick=args.quick,
+        prompts_per_family=(args.prompts_per_family if args.prompts_per_family is not None
+                            else per_family) or None,
+        families=[f.strip() for f in args.families.split(",") if f.strip()],
+        max_tokens=args.max_tokens or max_tokens, max_model_len=args.max_model_len,
+        dtype=args.dtype, loads=loads, concurrency=args.concurrency,
+        temperature=args.temperature, seed=args.seed, chat=not args.no_chat_template,
+        kv_cache_gib=args.kv_cache_gib, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        smurfs_extra=args.smurfs_extra, smurfs_ngram_voter=not args.no_smurfs_ngram,
+        method_timeout_s=args.method_timeout_s, margins=not args.no_margins,
+        plots=not args.no_plots)
+    run(settings, argv)
+    print(f"[bench] wrote {out}/result.json, summary.md, plots/")
+    with open(os.path.join(out, "summary.md")) as f:
+        print(f.read())
+    return 0

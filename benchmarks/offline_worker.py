@@ -1,0 +1,112 @@
+"""Child process of `benchmarks run`: one vLLM engine, prompts timed one at a time (and batched).
+
+    python -m benchmarks.offline_worker job.json events.jsonl
+
+Modelled on `vllm_smurfs.runner`, which times one `generate` call over all prompts; batch-1
+latency needs one `generate` call per prompt in the same engine, each with its own timing and its
+own acceptance counters. Events are appended to a JSON-lines file as they happen, so a method that
+dies half-way still leaves the prompts it finished:
+
+    {"event": "started", "startup_s": ..., "pid": ...}
+    {"event": "batch1", "prompt_index": i, "elapsed_s": ..., "output_token_ids": [...], ...}
+    {"event": "batched", "elapsed_s": ..., "outputs": [{"prompt_index": i, ...}], counters...}
+    {"event": "done"}
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set by the parent) so the
+thread placement the parent gives it through the environment is the target's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+#: A short prompt outside the benchmark, run once before timing (first-call costs).
+WARMUP_PROMPT = "Hello"
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's cumulative speculative-decoding counters (zero without speculation)."""
+    out: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                           "accepted_per_position": []}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            out[name] = int(metric.value)
+        elif name == "num_accepted_tokens_per_pos":
+            out["accepted_per_position"] = [int(v) for v in metric.values]
+    return out
+
+
+def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    per_pos_before = before["accepted_per_position"] or [0] * len(after["accepted_per_position"])
+    return {
+        "num_drafts": after["num_drafts"] - before["num_drafts"],
+        "num_draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
+        "num_accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"],
+        "accepted_per_position": [a - b for a, b in zip(after["accepted_per_position"],
+                                                        per_pos_before)],
+    }
+
+
+def _output_record(output: Any) -> dict[str, Any]:
+    completion = output.outputs[0]
+    return {"output_token_ids": list(completion.token_ids), "text": completion.text,
+            "num_output_tokens": len(completion.token_ids),
+            "finish_reason": completion.finish_reason}
+
+
+def run(job: dict[str, Any], events_path: str) -> None:
+    def emit(event: dict[str, Any]) -> None:
+        with open(events_path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"],
+              seed=job.get("seed", 0), enforce_eager=True, disable_log_stats=False,
+              speculative_config=job["speculative_config"])
+    emit({"event": "started", "startup_s": time.perf_counter() - started, "pid": os.getpid()})
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=job["temperature"],
+                            seed=job.get("seed", 0))
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in job["prompts"]]
+    indices = [p["index"] for p in job["prompts"]]
+
+    llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+
+    if "batch1" in job["loads"]:
+        for index, prompt in zip(indices, prompts):
+            before = spec_counters(llm)
+            t0 = time.perf_counter()
+            [output] = llm.generate([prompt], params, use_tqdm=False)
+            elapsed_s = time.perf_counter() - t0
+            emit({"event": "batch1", "prompt_index": index, "elapsed_s": elapsed_s,
+                  **_output_record(output), **counter_delta(spec_counters(llm), before)})
+
+    if "batched" in job["loads"]:
+        # Prompts of the batch-1 pass would otherwise be served from the prefix cache.
+        llm.reset_prefix_cache()
+        before = spec_counters(llm)
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed_s = time.perf_counter() - t0
+        emit({"event": "batched", "elapsed_s": elapsed_s,
+              "outputs": [{"prompt_index": i, **_output_record(o)}
+                          for i, o in zip(indices, outputs)],
+              **counter_delta(spec_counters(llm), before)})
+    emit({"event": "done"})
+
+
+def main() -> None:
+    job_path, events_path = sys.argv[1], sys.argv[2]
+    with open(job_path) as f:
+        job = json.load(f)
+    run(job, events_path)
+
+
+if __name__ == "__main__":
+    main()

