@@ -45,6 +45,9 @@ _INHERITED_ENV_PREFIXES_TO_DROP = ("KMP_", "OMP_", "GOMP_")
 # has read with each engine call, so a healthy drafter stays at 1-2; the bound keeps a stalled one
 # from filling its socket until send() would block the target.
 MAX_MESSAGES_IN_FLIGHT = 4
+# Paths (context + drafted tokens) kept per request and drafter: the newest answer and the two
+# before it, so a draft that lost the vote still serves when the target takes its branch.
+PATHS_PER_REQUEST = 3
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class ModelDrafterClient:
         self._job_id = 0
         self._jobs: dict[int, tuple[str, np.ndarray]] = {}  # unanswered job -> (req_id, context)
         self._newest_job: dict[str, int] = {}  # req_id -> its newest job
-        self._paths: dict[str, np.ndarray] = {}  # req_id -> context + drafted tokens
+        self._paths: dict[str, list[np.ndarray]] = {}  # req_id -> newest paths first
         self._unanswered = 0  # messages sent that the server has not taken into an answer yet
         self._unanswered_since: float | None = None
         self.hang_timeout_s = hang_timeout_s
@@ -156,10 +159,11 @@ class ModelDrafterClient:
 
     # -- drafting -----------------------------------------------------------------------------
     # A drafter's answer is kept as a *path*: the context it was asked about followed by the tokens
-    # it drafted. Whatever the target does next, the path still gives a draft for any context that
+    # it drafted. Whatever the target does next, a path still gives a draft for any context that
     # is a proper prefix of it: after a full acceptance (when the path was drafted ahead, past the
-    # voted chain), after a one-token step whose token the drafter had guessed, or after a late
-    # answer. A path the target has left behind gives nothing and is replaced by the next answer.
+    # voted chain), after a rejection where the target's token is the one this drafter had drafted
+    # (its own draft lost the vote), after a one-token step whose token it had guessed, or after a
+    # late answer. The newest PATHS_PER_REQUEST paths are kept; older ones are dropped.
 
     def submit(self, jobs: Sequence[tuple[str, np.ndarray, int]]) -> list[int]:
         """Send ``(req_id, context, n)`` jobs (draft n tokens after context); return job ids."""
@@ -201,11 +205,11 @@ class ModelDrafterClient:
 
     def draft_for(self, req_id: str, context: np.ndarray, k: int) -> list[int] | None:
         """Up to k tokens continuing ``context`` along this drafter's path, or None."""
-        path = self._paths.get(req_id)
         n = len(context)
-        if path is None or len(path) <= n or not np.array_equal(path[:n], context):
-            return None
-        return path[n : n + k].tolist()
+        for path in self._paths.get(req_id, ()):
+            if len(path) > n and np.array_equal(path[:n], context):
+                return path[n : n + k].tolist()
+        return None
 
     def forget(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
@@ -256,7 +260,10 @@ class ModelDrafterClient:
             job = self._jobs.pop(job_id, None)
             if job is not None:
                 req_id, context = job
-                self._paths[req_id] = np.concatenate([context, np.asarray(tokens, context.dtype)])
+                path = np.concatenate([context, np.asarray(tokens, context.dtype)])
+                paths = self._paths.setdefault(req_id, [])
+                paths.insert(0, path)
+                del paths[PATHS_PER_REQUEST:]
         return True
 
     def _fail(self, reason: str) -> None:
