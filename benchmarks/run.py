@@ -20,13 +20,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks import SCHEMA_VERSION
-from benchmarks.methods import (MethodSettings, MethodSpec, allowed_cpus, child_env,
-                                parse_methods, speculative_config)
+from benchmarks.methods import (
+    MethodSettings,
+    MethodSpec,
+    allowed_cpus,
+    child_env,
+    missing_dependency,
+    parse_methods,
+    speculative_config,
+)
 from benchmarks.placement import PlacementSampler
 from benchmarks.provenance import REPO_ROOT, provenance
-from benchmarks.served import (ServeSettings, bench_command, free_port, parse_bench_result,
-                               serve_command, stop, wait_until_healthy, warm_up)
-from benchmarks.spec_bench import FAMILIES, Prompt, load_questions, select_prompts, write_subset
+from benchmarks.served import (
+    ServeSettings,
+    bench_command,
+    free_port,
+    parse_bench_result,
+    serve_command,
+    stop,
+    wait_until_healthy,
+    warm_up,
+)
+from benchmarks.spec_bench import (
+    FAMILIES,
+    Prompt,
+    load_questions,
+    select_prompts,
+    write_raw_prompts,
+    write_subset,
+)
 from benchmarks.summary import attach_margins, divergence_queries, summarize
 
 OFFLINE_LOADS = ("batch1", "batched")
@@ -55,6 +77,7 @@ class RunSettings:
     ngram_min: int = 2
     ngram_max: int = 4
     smurfs_extra: dict[str, Any] = field(default_factory=dict)
+    smurfs_variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     smurfs_ngram_voter: bool = True
     method_timeout_s: float | None = None
     margins: bool = True
@@ -92,9 +115,19 @@ def _run_child(cmd: list[str], env: dict[str, str], log_path: str, timeout_s: fl
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_group(proc)
             raise TimeoutError(f"no result after {timeout_s:.0f} s (see {log_path})") from None
+        except BaseException:  # Ctrl-C: the child is in its own session and did not get it
+            _kill_group(proc)
+            raise
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _log_tail(path: str, lines: int = 25) -> str:
@@ -120,11 +153,13 @@ def run_offline(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSe
     env, placement_env = child_env(spec, "offline", cpus)
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_gib:g}",
-                "PYTHONPATH": os.pathsep.join([REPO_ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
-    job = {"target": settings.target, "dtype": settings.dtype, "max_model_len": settings.max_model_len,
-           "max_tokens": settings.max_tokens, "temperature": settings.temperature,
-           "seed": settings.seed, "speculative_config": config, "loads": loads,
-           "prompts": [{"index": p.index, "prompt_token_ids": p.prompt_token_ids} for p in prompts]}
+                "PYTHONPATH": _python_path(env)})
+    job = {"target": settings.target, "dtype": settings.dtype,
+           "max_model_len": settings.max_model_len, "max_tokens": settings.max_tokens,
+           "temperature": settings.temperature, "seed": settings.seed,
+           "speculative_config": config, "loads": loads,
+           "prompts": [{"index": p.index, "prompt_token_ids": p.prompt_token_ids}
+                       for p in prompts]}
     log_path = os.path.join(logs_dir, f"{_file_label(spec.label)}.offline.log")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-offline-") as tmp:
@@ -146,7 +181,7 @@ def run_offline(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSe
         if os.path.exists(events_path):
             with open(events_path) as f:
                 events = [json.loads(line) for line in f if line.strip()]
-    startup = next((e for e in events if e["event"] == "started"), {})
+    startup: dict[str, Any] = next((e for e in events if e["event"] == "started"), {})
     done = any(e["event"] == "done" for e in events)
     common = {"placement_env": placement_env, "placement_observed": sampler.report(),
               "startup_s": startup.get("startup_s"), "wall_s": wall_s, "log": log_path}
@@ -168,6 +203,11 @@ def run_offline(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSe
     return results
 
 
+def _python_path(env: dict[str, str]) -> str:
+    """PYTHONPATH with the repository first, so `-m benchmarks.*` runs from anywhere."""
+    return os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+
+
 def _status(error: str | None, got: int, wanted: int) -> dict[str, Any]:
     if error is None and got == wanted:
         return {"status": "ok", "error": None}
@@ -181,7 +221,7 @@ def _without_event(event: dict[str, Any]) -> dict[str, Any]:
 
 def run_served(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSettings,
                prompts: list[Prompt], cpus: list[int], logs_dir: str, timeout_s: float,
-               dataset_path: str) -> dict[str, Any]:
+               spec_bench_path: str, raw_prompts_path: str) -> dict[str, Any]:
     env, placement_env = child_env(spec, "served", cpus)
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -209,14 +249,17 @@ def run_served(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSet
             wait_until_healthy(port, proc, serve.start_timeout_s)
             entry["startup_s"] = time.perf_counter() - started
             warm_up(port, serve)
-            bench = bench_command(serve, port, dataset_path, len(prompts), tmp, "bench.json")
+            bench = bench_command(serve, port, spec_bench_path, raw_prompts_path, len(prompts),
+                                  tmp, "bench.json")
             entry["bench_command"] = shlex.join(bench)
             client_env = {k: v for k, v in env.items() if not k.startswith("VLLM_CPU_OMP")}
             with open(bench_log, "ab") as log:
                 rc = subprocess.run(bench, env=client_env, cwd=REPO_ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+                                    stderr=subprocess.STDOUT, timeout=serve.bench_timeout_s,
+                                    check=False).returncode
             if rc != 0:
-                raise RuntimeError(f"vllm bench serve exit {rc}: {_error_line(_log_tail(bench_log))}")
+                raise RuntimeError(f"vllm bench serve exit {rc}: "
+                                   f"{_error_line(_log_tail(bench_log))}")
             with open(os.path.join(tmp, "bench.json")) as f:
                 parsed = parse_bench_result(json.load(f), [p.index for p in prompts])
             entry["requests"] = {str(i): r for i, r in parsed["requests"].items()}
@@ -234,14 +277,14 @@ def run_served(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSet
 
 
 def _file_label(label: str) -> str:
-    return label.replace(":", "-k").replace("@", "-")
+    return label.replace(":", "-k").replace("@", "-").replace("/", "-")
 
 
 def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
     from benchmarks.report import write_report
 
     cpus = allowed_cpus()
-    specs = parse_methods(settings.methods, len(cpus))
+    specs = parse_methods(settings.methods, len(cpus), settings.smurfs_variants)
     labels = [s.label for s in specs]
     baseline = settings.baseline or next((s.label for s in specs if s.name == "none"), None)
     if baseline is not None and baseline not in labels:
@@ -264,11 +307,15 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
         p.prompt_token_ids = encode(tokenizer, p.text, chat)
     subset_path = os.path.join(settings.out_dir, "prompts.jsonl")
     write_subset(prompts, subset_path)
+    raw_prompts_path = os.path.join(settings.out_dir, "prompts.raw.jsonl")
+    write_raw_prompts(prompts, raw_prompts_path)
     timeout_s = settings.method_timeout_s or (900 + 2.0 * len(prompts) * settings.max_tokens)
 
     method_settings = MethodSettings(tuple(settings.drafts), settings.ngram_min, settings.ngram_max,
                                      tuple(settings.smurfs_extra.items()),
-                                     settings.smurfs_ngram_voter)
+                                     settings.smurfs_ngram_voter,
+                                     tuple((name, tuple(keys.items()))
+                                           for name, keys in settings.smurfs_variants.items()))
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "provenance": provenance(argv, settings.dtype),
@@ -287,9 +334,15 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
         result["methods"].append(method)
         try:
             config = speculative_config(spec, method_settings, cpus)
+            missing = missing_dependency(spec)
+            if missing:
+                raise ValueError(missing)
         except ValueError as exc:
             method["error"] = str(exc)
+            method["loads"] = {load: {"status": "error", "error": str(exc)}
+                               for load in settings.loads}
             print(f"[bench] {spec.label}: {exc}", flush=True)
+            _write_json(result, json_path)
             continue
         method["speculative_config"] = config
         if offline_loads:
@@ -297,7 +350,8 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
                                                cpus, logs_dir, timeout_s))
         if "served" in settings.loads:
             method["loads"]["served"] = run_served(spec, config, settings, prompts, cpus,
-                                                   logs_dir, timeout_s, subset_path)
+                                                   logs_dir, timeout_s, subset_path,
+                                                   raw_prompts_path)
         for load, entry in method["loads"].items():
             print(f"[bench] {spec.label} {load}: {entry['status']}"
                   + (f" ({entry['error']})" if entry.get("error") else ""), flush=True)
@@ -321,11 +375,11 @@ def _add_margins(result: dict[str, Any], settings: RunSettings, logs_dir: str) -
         with open(request_path, "w") as f:
             json.dump({"target": settings.target, "dtype": settings.dtype, "queries": queries}, f)
         log_path = os.path.join(logs_dir, "margins.log")
-        env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+        env = {**os.environ, "PYTHONPATH": _python_path(dict(os.environ))}
         with open(log_path, "ab") as log:
-            rc = subprocess.run([sys.executable, "-m", "benchmarks.margins", request_path, out_path],
-                                env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=1800).returncode
+            rc = subprocess.run([sys.executable, "-m", "benchmarks.margins", request_path,
+                                 out_path], env=env, cwd=REPO_ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=1800, check=False).returncode
         if rc != 0 or not os.path.exists(out_path):
             result["margins"] = {"status": "error",
                                  "error": f"exit {rc}: {_error_line(_log_tail(log_path))}"}

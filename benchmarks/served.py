@@ -66,17 +66,26 @@ def serve_command(settings: ServeSettings, port: int,
     return cmd
 
 
-def bench_command(settings: ServeSettings, port: int, dataset_path: str, num_prompts: int,
-                  result_dir: str, result_filename: str) -> list[str]:
-    # vLLM's spec_bench dataset applies the chat template on the client side (as text) unless
-    # told not to; the completions endpoint then sends that text.
-    template = [] if settings.chat else ["--skip-chat-template"]
+def bench_command(settings: ServeSettings, port: int, spec_bench_path: str, raw_prompts_path: str,
+                  num_prompts: int, result_dir: str, result_filename: str) -> list[str]:
+    """`vllm bench serve` over the selection, request i = prompt i, greedy by default.
+
+    With the chat template: `--dataset-name spec_bench`, which applies the template on the client
+    side (as text, sent to /v1/completions). Without one (the tiny test models) the `custom`
+    dataset on the same prompts: vLLM 0.32's spec_bench ignores `--skip-chat-template` and fails
+    on a tokenizer that has no template.
+    """
+    if settings.chat:
+        dataset = ["--dataset-name", "spec_bench", "--dataset-path", spec_bench_path,
+                   "--spec-bench-output-len", str(settings.max_tokens)]
+    else:
+        dataset = ["--dataset-name", "custom", "--dataset-path", raw_prompts_path,
+                   "--skip-chat-template", "--custom-output-len", str(settings.max_tokens)]
     return vllm_command() + [
-        "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions", *template,
+        "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
         "--host", "127.0.0.1", "--port", str(port),
-        "--model", settings.target, "--tokenizer", settings.target,
-        "--dataset-name", "spec_bench", "--dataset-path", dataset_path, "--disable-shuffle",
-        "--num-prompts", str(num_prompts), "--no-oversample", "--output-len", str(settings.max_tokens),
+        "--model", settings.target, "--tokenizer", settings.target, *dataset,
+        "--disable-shuffle", "--num-prompts", str(num_prompts), "--no-oversample",
         "--max-concurrency", str(settings.concurrency), "--temperature", str(settings.temperature),
         "--seed", str(settings.seed), "--num-warmups", "0", "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction",
                        "stem", "humanities")
@@ -89,6 +90,11 @@ def _round_robin(groups: list[list[Any]]) -> Iterable[Any]:
 def write_subset(prompts: list[Prompt], path: str) -> None:
     """Write the selection in Spec-Bench's own format, for `vllm bench serve --dataset-path`."""
     with open(path, "w") as f:
-        for p in prompts:
-            f.write(json.dumps({"question_id": p.question_id, "category": p.category,
-                                "turns": [p.text]}) + "\n")
+        f.writelines(json.dumps({"question_id": p.question_id, "category": p.category,
+                                "turns": [p.text]}) + "\n" for p in prompts)
+
+
+def write_raw_prompts(prompts: list[Prompt], path: str) -> None:
+    """Write the selection as vLLM's `custom` dataset ({"prompt": ...} per line)."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"prompt": p.text}) + "\n" for p in prompts)

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.analysis import (OVERALL, SpecCounters, identity, ratio, summarize_batch1,
-                                 summarize_served, tokens_per_s)
+from benchmarks.analysis import (
+    OVERALL,
+    SpecCounters,
+    identity,
+    ratio,
+    summarize_batch1,
+    summarize_served,
+    tokens_per_s,
+)
 
 LOADS = ("batch1", "batched", "served")
 
@@ -110,7 +117,8 @@ def _summarize_served_totals(entry: dict[str, Any], baseline: dict[str, Any]) ->
     return {"totals": {
         "output_throughput": throughput, "duration_s": totals.get("duration"),
         "completed": totals.get("completed"), "failed": totals.get("failed"),
-        "speedup": ratio(throughput, base_totals.get("output_throughput")) if same_prompts else None,
+        "speedup": (ratio(throughput, base_totals.get("output_throughput")) if same_prompts
+                    else None),
         "mean_acceptance_length": counters.mean_acceptance_length,
         "acceptance_rate": counters.acceptance_rate,
         # vLLM's report gives these as fractions of drafts already.

@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = f"failed: {str(exc).strip().splitlines()[-1]}"
     print()
     print(render_table(results))
+    if not args.target:
+        print("\nTiny models: a target step costs about a millisecond, so tok/s measures the "
+              "engines' per-step overhead, not speculation; acceptance and identity are the "
+              "figures that carry over. Run with --target/--drafter on real models for speed.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_as_json(results, target, drafts, args), f, indent=2)

