@@ -7,11 +7,20 @@ figures live in the proposer, inside the worker; `get_smurfs_stats` fetches them
 as is; with vLLM's default multiprocess engine vLLM only ships a function to the worker when
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. The same figures are logged every
 ``log_stats_interval_s`` seconds in any mode.
+
+Like vLLM's counters, the figures are cumulative since the engine started: `stats_delta` gives
+what happened between two snapshots (e.g. leaving a warm-up request out).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+#: Cumulative fields of `get_smurfs_stats`' totals and of each drafter's entry; the other fields
+#: (weights, health, derived ratios) describe the moment of the snapshot.
+TOTAL_COUNTERS = ("steps", "proposed_drafts", "verified_drafts", "verified_draft_tokens",
+                  "accepted_tokens")
+DRAFTER_COUNTERS = ("vote_wins", "drafted_tokens", "accepted_tokens", "steps_late")
 
 
 def _worker_smurfs_stats(worker: Any) -> dict[str, Any] | None:
@@ -27,3 +36,19 @@ def get_smurfs_stats(llm: Any) -> dict[str, Any]:
     if stats is None:
         raise ValueError("this engine does not use speculative_config method 'smurfs'")
     return stats
+
+
+def stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The figures of ``after`` with its counters counted from the ``before`` snapshot on."""
+    out = {**after, **{key: after[key] - before[key] for key in TOTAL_COUNTERS}}
+    out["mean_acceptance_length"] = (
+        round(1 + out["accepted_tokens"] / out["verified_drafts"], 4)
+        if out["verified_drafts"] else None)
+    drafters = []
+    for now, then in zip(after["drafters"], before["drafters"], strict=True):
+        entry = {**now, **{key: now[key] - then[key] for key in DRAFTER_COUNTERS}}
+        drafted = entry["drafted_tokens"]
+        entry["acceptance"] = round(entry["accepted_tokens"] / drafted, 4) if drafted else 0.0
+        drafters.append(entry)
+    out["drafters"] = drafters
+    return out

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_smurfs.metrics import get_smurfs_stats, stats_delta
+
 
 @dataclass
 class Job:
@@ -43,7 +45,7 @@ class Result:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    smurfs_stats: dict[str, Any] | None = None
+    smurfs_stats: dict[str, Any] | None = None  # of the measured generate() only
 
     @property
     def num_output_tokens(self) -> int:
@@ -125,11 +127,12 @@ def _execute(job: Job) -> Result:
     # A prompt of its own, and a cleared prefix cache, so no measured prompt starts cached.
     llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     llm.reset_prefix_cache()
-    before = spec_counters(llm)
+    before, smurfs_before = spec_counters(llm), _smurfs_stats(llm)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed_s = time.perf_counter() - started
     counted = counter_delta(spec_counters(llm), before)
+    smurfs_after = _smurfs_stats(llm)
     return Result(
         token_ids=[list(o.outputs[0].token_ids) for o in outputs],
         texts=[o.outputs[0].text for o in outputs],
@@ -139,7 +142,8 @@ def _execute(job: Job) -> Result:
         num_draft_tokens=counted["num_draft_tokens"],
         num_accepted_tokens=counted["num_accepted_tokens"],
         accepted_per_position=counted["accepted_per_position"],
-        smurfs_stats=_smurfs_stats(llm),
+        smurfs_stats=(stats_delta(smurfs_after, smurfs_before)
+                      if smurfs_after is not None and smurfs_before is not None else None),
     )
 
 
@@ -169,8 +173,6 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
 
 
 def _smurfs_stats(llm: Any) -> dict[str, Any] | None:
-    from vllm_smurfs.metrics import get_smurfs_stats
-
     try:
         return get_smurfs_stats(llm)
     except Exception:  # noqa: BLE001 - not Smurfs, or a multiprocess engine refusing the RPC
