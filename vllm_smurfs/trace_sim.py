@@ -1,0 +1,830 @@
+"""Offline trace simulator: compare lookahead policies on a recorded trace in seconds.
+
+Trace format: JSON lines, one object per target step, written by the proposer::
+
+    {"step": 12, "t": 104.233, "seconds": 0.0213, "num_tokens": 144,
+     "requests": [{"req_id": "r7", "position": 58, "k": 8, "accepted": 3}, ...],
+     "drafts": [{"num_reqs": 16, "num_positions": 1, "seconds": 0.0009}, ...]}
+
+* ``step``: step counter; ``t``: monotonic seconds at the end of the step.
+* ``seconds``, ``num_tokens``: the target step's wall time and token count
+  (:class:`~vllm_smurfs.length_controller.StepTiming`); prefill chunks count in ``num_tokens``.
+* ``requests``: the decoding requests of the step: ``position`` is where the step's first new
+  token goes (output tokens so far, or the context length: only differences within a request
+  are used), ``k`` the draft tokens verified, ``accepted`` how many the target accepted.
+* ``drafts``: the :class:`~vllm_smurfs.length_controller.DraftTiming` of the drafter engine
+  steps (streaming drafters: one position each) or calls made since the previous step. Replays
+  record at most 64 per step (:data:`MAX_DRAFT_RECORDS`): more identical ones add nothing.
+
+Steps without requests are allowed (e.g. pure prefill steps); they only add cost samples.
+
+Reconstruction (:func:`reconstruct`). With greedy decoding the text, hence the drafter's
+agreement with the target at every position, does not depend on the policy. A step at position
+``p`` with ``k`` drafted and ``a`` accepted says the drafter agrees at ``p .. p+a-1`` and, when
+``a < k``, disagrees at ``p+a``; so a draft starting at ``p + j`` (``j <= a``) has ``a - j``
+tokens accepted, which is exactly the run of agreements from there. When ``a == k`` the
+agreement at ``p + k`` (the bonus position) is unknown and the run is censored (``>= k - j``).
+Unknown positions take the nearest known agreement (ties: the later one, the first position of
+the next draft, which unlike the earlier one was not selected for having been accepted); this
+approximation is what lets a trace recorded at lookahead K replay drafts longer than K. The
+number of accepted tokens of a draft of ``k`` at ``x`` is then ``min(k, acc[x])`` with ``acc[x]``
+the run of agreements starting at ``x``. Record traces with a long lookahead (the censoring is
+rarer) and greedy sampling (with sampling, ``conflicts`` counts contradicting observations).
+A pipelined replay also uses the agreement at positions no draft covered (the bonus position of
+a fully accepted draft, and the position of the token a step without a draft produces after a
+rejection, which decides whether the restarted path is stale again): these are imputed too.
+
+Replay (:func:`simulate`, :func:`replay`). Requests enter in trace order when one of
+``concurrency`` slots is free and run to their recorded output length; prefill is not modelled
+(a request's first step is a decode step). A step's target time comes from a cost curve fitted
+on the trace's ``(num_tokens, seconds)`` pairs (:class:`StepCostCurve`, extrapolated linearly
+outside the recorded token counts: record at several loads to compare several loads), the
+drafter's from a :class:`~vllm_smurfs.length_controller.DraftCostModel` fitted on its draft
+records. The policy sees only what it would see live: feedback from the simulated acceptance,
+timings from the simulated costs (one ``DraftTiming(num_reqs, 1, t_d)`` per drafter engine step).
+
+Drafters stream: one engine step of ``t_d = draft_cost(1, R)`` seconds (``R`` the requests drafted
+for in the step, those with ``k > 0``) extends every one of their paths by one token.
+
+* Synchronous (``pipelined=False``): the step drafts its ``max k`` tokens first, ``max k * t_d``
+  seconds added to the step; every draft is complete.
+* Pipelined: the drafters went on while the target verified. Each request keeps its *path*:
+  the tokens drafted past its text. During the previous target step (``prev_target`` seconds)
+  the path of every drafted request grew by ``floor(prev_target / t_d)`` tokens, on top of what
+  was left of it. A path survives a step when the drafter's token after the accepted prefix is
+  the one the target produced there (the bonus token); what is left is the path minus the
+  accepted tokens and that one. A new request's path starts with the first token it drafts
+  only standing in for the last one the target produced (it is not checked): at its first step
+  it has ``max(0, floor(prev_target / t_d) - 1)`` tokens. A request whose draft token was
+  rejected at step ``n``, or whose drafter's token at the bonus position is not the target's,
+  has a *stale* path: it no longer extends the text. As with the live proposer, which learns
+  of it only when step ``n`` ends, step ``n + 1`` has no draft for it (its ``k`` is chosen,
+  then cut to 0 and counted as cut; it is not waited for), and the drafter restarts from the
+  text at the start of step ``n + 1`` while the target runs that step, which produces one
+  token for the request. The restart
+  costs one drafter engine step (the re-prefill of the last partial KV block), so at step
+  ``n + 2`` the drafter has ``G = floor(target step n + 1 / t_d) - 1`` tokens past the restart
+  point, the first of them standing in for the token of step ``n + 1``: when the drafter agrees
+  with the target there (the reconstructed agreement), ``max(0, G - 1)`` are ready; when not,
+  the path is stale again and step ``n + 2`` restarts it the same way. A stale request not
+  drafted for (``k = 0``) is not restarted, and a path still short of the text at the end of a
+  step (negative) is not set back further. Ready tokens are capped at the chosen ``k``. While
+  some drafted requests with a path that is not stale have fewer than ``k`` ready, the replay
+  asks ``policy.wait_bound(late requests, their ready counts, what is left of max_wait_s)``; a
+  positive answer adds that wait to the step, every drafter step completed by then
+  (``floor(total wait / t_d)``) adds a token to every such path, and it asks again, until the
+  answer is 0, the drafts are complete (a wait never runs past that moment) or ``max_wait_s``
+  is spent. The verified draft is what is ready, ``min(k, ready)``. (Approximations kept: the
+  growth during the previous target step is priced at the drafter batch of the current step,
+  the requests with ``k > 0`` now, and only their paths grow.)
+
+Without a draft cost (or at ``t_d = 0``) drafting is free and every draft complete.
+
+CLI: ``python -m vllm_smurfs.trace_sim TRACE.jsonl [--concurrency 1,4,16,32] [--max-lookahead 8]
+[--sync]`` prints a markdown table of adaptive vs fixed k=1..max vs no speculation.
+
+Pure module (stdlib + numpy, no vllm/torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_smurfs.length_controller import (
+    AdaptiveLookahead,
+    DraftCostModel,
+    DraftTiming,
+    FixedLookahead,
+    LookaheadPolicy,
+    RequestView,
+    StepFeedback,
+    StepTiming,
+    room_for_drafts,
+)
+
+__all__ = [
+    "MAX_DRAFT_RECORDS",
+    "NoSpeculation",
+    "ReplayRequest",
+    "SimResult",
+    "StepCostCurve",
+    "TraceFormatError",
+    "TraceRequest",
+    "TraceStep",
+    "acc_from_agreement",
+    "compare",
+    "default_policies",
+    "fit_draft_cost",
+    "format_table",
+    "main",
+    "read_trace",
+    "reconstruct",
+    "replay",
+    "simulate",
+    "synthetic_trace",
+    "write_trace",
+]
+
+PolicyFactory = Callable[[], LookaheadPolicy]
+
+#: Drafter engine steps recorded (and shown to the policy) per replayed step, at most: all of them
+#: cost the same, and the draft cost model keeps 64 calls anyway.
+MAX_DRAFT_RECORDS = 64
+# Questions to wait_bound per step, at most: a policy answering ever smaller waits cannot hang it.
+_MAX_WAIT_QUESTIONS = 1000
+# floor(seconds / t_d) with a margin for the rounding of sums of t_d.
+_STEP_EPS = 1e-9
+
+
+# ---------------------------------------------------------------------------------------- format
+
+
+class TraceFormatError(ValueError):
+    """A trace line that does not follow the format; the message names the line and field."""
+
+
+def _field(obj: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
+    if name not in obj:
+        raise TraceFormatError(f"{where}: missing field {name!r}")
+    value = obj[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TraceFormatError(f"{where}: {name} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request in one step of a trace."""
+
+    req_id: str
+    position: int  # where the step's first new token goes (only differences matter)
+    k: int  # draft tokens verified in this step
+    accepted: int  # of those, accepted by the target
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError(f"k must be >= 0, got {self.k}")
+        if not 0 <= self.accepted <= self.k:
+            raise ValueError(f"accepted must be in [0, k={self.k}], got {self.accepted}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"req_id": self.req_id, "position": self.position, "k": self.k,
+                "accepted": self.accepted}
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any], where: str = "request") -> TraceRequest:
+        fields = (_field(obj, "req_id", str, where), _field(obj, "position", int, where),
+                  _field(obj, "k", int, where), _field(obj, "accepted", int, where))
+        try:
+            return cls(*fields)
+        except ValueError as e:
+            raise TraceFormatError(f"{where}: {e}") from None
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """One target step of a trace (one JSON line)."""
+
+    step: int
+    t: float
+    seconds: float
+    num_tokens: int
+    requests: tuple[TraceRequest, ...] = ()
+    drafts: tuple[DraftTiming, ...] = ()
+
+    def __post_init__(self) -> None:
+        # StepTiming validates seconds and num_tokens.
+        StepTiming(len(self.requests), self.num_tokens, self.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "t": self.t, "seconds": self.seconds,
+            "num_tokens": self.num_tokens,
+            "requests": [r.to_dict() for r in self.requests],
+            "drafts": [{"num_reqs": d.num_reqs, "num_positions": d.num_positions,
+                        "seconds": d.seconds} for d in self.drafts],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any], where: str = "step") -> TraceStep:
+        if not isinstance(obj, Mapping):
+            raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        reqs = obj.get("requests", [])
+        drafts = obj.get("drafts", [])
+        if not isinstance(reqs, list) or not isinstance(drafts, list):
+            raise TraceFormatError(f"{where}: requests and drafts must be lists")
+        try:
+            return cls(
+                step=_field(obj, "step", int, where),
+                t=_field(obj, "t", float, where),
+                seconds=_field(obj, "seconds", float, where),
+                num_tokens=_field(obj, "num_tokens", int, where),
+                requests=tuple(TraceRequest.from_dict(r, f"{where}: requests[{i}]")
+                               for i, r in enumerate(reqs)),
+                drafts=tuple(
+                    DraftTiming(_field(d, "num_reqs", int, f"{where}: drafts[{i}]"),
+                                _field(d, "num_positions", int, f"{where}: drafts[{i}]"),
+                                _field(d, "seconds", float, f"{where}: drafts[{i}]"))
+                    for i, d in enumerate(drafts)),
+            )
+        except TraceFormatError:
+            raise
+        except ValueError as e:  # a value out of range, from a dataclass's validation
+            raise TraceFormatError(f"{where}: {e}") from None
+
+    @classmethod
+    def from_json(cls, line: str, where: str = "step") -> TraceStep:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceFormatError(f"{where}: not JSON: {e}") from None
+        return cls.from_dict(obj, where)
+
+
+def read_trace(path: str | Path) -> list[TraceStep]:
+    """Read a JSON-lines trace; blank lines are skipped. Errors name the line."""
+    steps = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                steps.append(TraceStep.from_json(line, f"{path}:{lineno}"))
+    return steps
+
+
+def write_trace(path: str | Path, steps: Iterable[TraceStep]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(s.to_json() + "\n" for s in steps)
+
+
+# -------------------------------------------------------------------------------- reconstruction
+
+
+def acc_from_agreement(agree: np.ndarray) -> np.ndarray:
+    """``acc[x]``: length of the run of 1s in ``agree`` starting at ``x`` (0/1 array)."""
+    agree = np.asarray(agree).astype(bool)
+    acc = np.zeros(len(agree), dtype=np.int64)
+    run = 0
+    for x in range(len(agree) - 1, -1, -1):
+        run = run + 1 if agree[x] else 0
+        acc[x] = run
+    return acc
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """A request to replay: its output length and per-position accepted run."""
+
+    req_id: str
+    acc: np.ndarray  # acc[x]: tokens a draft starting at output position x gets accepted
+    agree: np.ndarray | None = None  # 1 / 0 / -1 (unknown) before imputation, when reconstructed
+    conflicts: int = 0  # positions observed both agreeing and disagreeing (non-greedy trace)
+
+    @property
+    def length(self) -> int:
+        return len(self.acc)
+
+    @classmethod
+    def from_agreement(cls, req_id: str, agree: Sequence[int]) -> ReplayRequest:
+        """From a fully known agreement string (synthetic ground truth)."""
+        arr = np.asarray(agree, dtype=np.int8)
+        return cls(req_id, acc_from_agreement(arr), arr)
+
+
+def _impute(agree: np.ndarray) -> np.ndarray:
+    known = np.flatnonzero(agree >= 0)
+    if len(known) == 0:
+        # Nothing was ever drafted: assume every draft is rejected (speculation cannot help).
+        return np.zeros(len(agree), dtype=np.int8)
+    out = agree.copy()
+    unknown = np.flatnonzero(agree < 0)
+    if len(unknown):
+        right = np.searchsorted(known, unknown)  # first known index > each unknown
+        after = known[np.minimum(right, len(known) - 1)]
+        before = known[np.maximum(right - 1, 0)]
+        d_after = np.where(right < len(known), after - unknown, np.iinfo(np.int64).max)
+        d_before = np.where(right > 0, unknown - before, np.iinfo(np.int64).max)
+        pick = np.where(d_after <= d_before, after, before)
+        out[unknown] = agree[pick]
+    return out
+
+
+def reconstruct(trace: Sequence[TraceStep]) -> list[ReplayRequest]:
+    """Per request (in order of first appearance) the agreement and accepted runs, see module doc.
+
+    Positions are relative to the request's first recorded step; its length is the furthest
+    position the trace shows it producing (``position + accepted + 1`` of its steps).
+    """
+    per_req: dict[str, list[TraceRequest]] = {}
+    for s in trace:
+        for r in s.requests:
+            per_req.setdefault(r.req_id, []).append(r)
+    out = []
+    for req_id, obs in per_req.items():
+        base = min(r.position for r in obs)
+        length = max(r.position - base + r.accepted + 1 for r in obs)
+        agree = np.full(length, -1, dtype=np.int8)
+        conflicts = 0
+        for r in obs:
+            p = r.position - base
+            marks = [(p + j, 1) for j in range(r.accepted)]
+            if r.accepted < r.k:
+                marks.append((p + r.accepted, 0))
+            for x, v in marks:
+                if agree[x] < 0:
+                    agree[x] = v
+                elif agree[x] != v:
+                    conflicts += 1  # keep the first observation
+        out.append(ReplayRequest(req_id, acc_from_agreement(_impute(agree)), agree, conflicts))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- costs
+
+
+class StepCostCurve:
+    """Target step seconds vs token count, fitted on all of a trace's steps (the replay's truth).
+
+    The median seconds at each distinct token count, made non-decreasing by weighted isotonic
+    regression and interpolated linearly; beyond the recorded range it is extended by a least
+    squares line over the outer quarter of the points (at least 2), slope floored at 0, and never
+    below 0 or the proportional ``T(lo) * N / lo`` under the range.
+    """
+
+    def __init__(self, num_tokens: Sequence[int], seconds: Sequence[float]) -> None:
+        """Raises ValueError when there is no step with num_tokens >= 1."""
+        n = np.asarray(num_tokens, dtype=float)
+        s = np.asarray(seconds, dtype=float)
+        keep = n >= 1
+        n, s = n[keep], s[keep]
+        if len(n) == 0:
+            raise ValueError("the trace has no step with num_tokens >= 1 to fit a cost curve on")
+        xs = np.unique(n)
+        med = np.array([np.median(s[n == x]) for x in xs])
+        w = np.array([np.sum(n == x) for x in xs], dtype=float)
+        self.xs = xs
+        self.ys = _isotonic(med, w)
+        self.lo, self.hi = float(xs[0]), float(xs[-1])
+        m = max(2, len(xs) // 4)
+        self._slope_lo = self._slope(xs[:m], self.ys[:m])
+        self._slope_hi = self._slope(xs[-m:], self.ys[-m:])
+
+    @staticmethod
+    def _slope(x: np.ndarray, y: np.ndarray) -> float:
+        if len(x) < 2:
+            return 0.0
+        return max(0.0, float(np.polyfit(x, y, 1)[0]))
+
+    def covers(self, num_tokens: float) -> bool:
+        return self.lo <= num_tokens <= self.hi
+
+    def __call__(self, num_tokens: float) -> float:
+        if num_tokens > self.hi:
+            return float(self.ys[-1] + self._slope_hi * (num_tokens - self.hi))
+        if num_tokens < self.lo:
+            y0 = float(self.ys[0])
+            return max(y0 - self._slope_lo * (self.lo - num_tokens),
+                       y0 * max(num_tokens, 0.0) / self.lo, 0.0)
+        return float(np.interp(num_tokens, self.xs, self.ys))
+
+    @classmethod
+    def from_trace(cls, trace: Sequence[TraceStep]) -> StepCostCurve:
+        return cls([s.num_tokens for s in trace], [s.seconds for s in trace])
+
+
+def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    vals: list[float] = []
+    wts: list[float] = []
+    cnt: list[int] = []
+    for v, wt in zip(y.tolist(), w.tolist(), strict=True):
+        vals.append(v)
+        wts.append(wt)
+        cnt.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            v2, w2, c2 = vals.pop(), wts.pop(), cnt.pop()
+            vals[-1] = (vals[-1] * wts[-1] + v2 * w2) / (wts[-1] + w2)
+            wts[-1] += w2
+            cnt[-1] += c2
+    return np.repeat(np.array(vals), cnt)
+
+
+def fit_draft_cost(trace: Sequence[TraceStep]) -> DraftCostModel | None:
+    """A draft cost model fitted on all draft records of the trace; None when there are none."""
+    model = DraftCostModel(window=None)
+    for s in trace:
+        for d in s.drafts:
+            model.observe(d.num_positions, d.num_reqs, d.seconds)
+    return model if model.num_observations else None
+
+
+# --------------------------------------------------------------------------------------- replay
+
+
+class NoSpeculation:
+    """Never drafts (the k=0 baseline); implements the lookahead policy protocol."""
+
+    def observe(self, feedback: Sequence[StepFeedback]) -> None:
+        return None
+
+    def observe_step(self, timing: StepTiming) -> None:
+        return None
+
+    def observe_draft(self, timing: DraftTiming) -> None:
+        return None
+
+    def choose(self, requests: Sequence[RequestView], max_lookahead: int) -> list[int]:
+        return [0] * len(requests)
+
+    def wait_bound(self, requests: Sequence[RequestView], ready: Sequence[int],
+                   max_wait_s: float) -> float:
+        return 0.0
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        return None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"policy": "none"}
+
+
+@dataclass
+class SimResult:
+    """Outcome of one replay."""
+
+    concurrency: int
+    pipelined: bool
+    total_tokens: int
+    total_seconds: float
+    num_steps: int
+    request_steps: int  # sum over steps of the requests in the step
+    drafted_tokens: int  # draft tokens verified
+    accepted_tokens: int
+    waited_seconds: float  # steps' waits for drafts (synchronous: all the drafting)
+    dropped_drafts: int  # pipelined steps that went on with some drafts cut to what was ready
+    # Draft tokens chosen but not ready when the step went on (all of a stale path's k).
+    cut_tokens: int = 0
+    steps: list[TraceStep] = field(repr=False, default_factory=list)  # the replay, as a trace
+    final_snapshot: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.total_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per request per step, bonus token included (1.0 without speculation)."""
+        return self.total_tokens / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def mean_lookahead(self) -> float:
+        return self.drafted_tokens / self.request_steps if self.request_steps else 0.0
+
+    def choices(self) -> list[dict[str, int]]:
+        """Per step, ``req_id -> k`` verified."""
+        return [{r.req_id: r.k for r in s.requests} for s in self.steps]
+
+
+@dataclass
+class _Slot:
+    """A running request in a replay."""
+
+    req: ReplayRequest
+    pos: int = 0
+    # Tokens the drafter has past the request's text; negative: what it still owes before its
+    # path reaches the text: -1 the token that only stands in for the last one the target
+    # produced (a new path), -2 that and the engine step of a restart (a restarted path).
+    path: int = -1
+    # The path no longer extends the text (a draft token rejected, or the drafter's token after
+    # the accepted ones not the target's): no draft until the drafter restarts.
+    stale: bool = False
+
+
+def _engine_steps(seconds: float, t_d: float) -> int:
+    return math.floor(seconds / t_d + _STEP_EPS)
+
+
+def _advance_path(slot: _Slot, path: int, a: int, run: int, drafted: bool,
+                  restarted: bool) -> None:
+    """The request's path after a pipelined step that accepted ``a`` of its draft tokens.
+
+    ``path``: the path during the step (after its growth); ``run``: the agreements from the
+    step's position; ``restarted``: the path was stale and the drafter restarted from the text
+    of the step's start (``a == 0``).
+    """
+    if slot.stale and not drafted:
+        return  # not drafted for: the drafter is not told the text, the path stays stale
+    # The drafter's token at pos + a (drafted, or still to come from a path short of the text)
+    # is the one the target produced there: the path still extends the text.
+    slot.stale = run == a
+    if restarted:
+        slot.path = -2  # a restart's engine step, then the token standing in for this step's
+    elif path >= 0:
+        slot.path = path - a - 1  # the accepted tokens and the bonus token are text now
+    # else: a path still short of the text stays as it is (the drafter keeps pace with the
+    # target's one token).
+
+
+def replay(
+    requests: Sequence[ReplayRequest],
+    policy_factory: PolicyFactory,
+    concurrency: int,
+    pipelined: bool,
+    step_cost: Callable[[int], float],
+    draft_cost: Callable[[int, int], float] | None = None,
+    max_lookahead: int = 8,
+    max_wait_s: float = math.inf,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> SimResult:
+    """Replay ``requests`` under a fresh policy; see the module docstring.
+
+    ``step_cost(num_tokens)`` and ``draft_cost(num_positions, num_reqs)`` give seconds (only
+    ``draft_cost(1, R)``, one drafter engine step, is used); ``max_wait_s`` bounds a pipelined
+    step's wait for its drafts; ``noise`` is the sigma of a log-normal factor on every target
+    step (seeded by ``seed``).
+
+    Raises:
+        ValueError: on a bad setting, or when the policy returns a lookahead out of bounds.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if max_lookahead < 0:
+        raise ValueError(f"max_lookahead must be >= 0, got {max_lookahead}")
+    if not noise >= 0:
+        raise ValueError(f"noise must be >= 0, got {noise!r}")
+    if not max_wait_s >= 0:
+        raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
+    rng = np.random.default_rng(seed)
+    policy = policy_factory()
+    pending = deque(r for r in requests if r.length > 0)
+    active: list[_Slot] = []
+    res = SimResult(concurrency, pipelined, 0, 0.0, 0, 0, 0, 0, 0.0, 0)
+    prev_target = 0.0
+    while pending or active:
+        while len(active) < concurrency and pending:
+            active.append(_Slot(pending.popleft()))
+        views = [RequestView(s.req.req_id, s.pos, s.req.length) for s in active]
+        ks = [int(k) for k in policy.choose(views, max_lookahead)]
+        if len(ks) != len(views):
+            raise ValueError(f"policy returned {len(ks)} lookaheads for {len(views)} requests")
+        for v, k in zip(views, ks, strict=True):
+            if not 0 <= k <= min(max_lookahead, room_for_drafts(v)):
+                raise ValueError(f"policy chose k={k} for {v} with max_lookahead={max_lookahead}")
+        drafted = [i for i, k in enumerate(ks) if k > 0]
+        t_d = float(draft_cost(1, len(drafted))) if drafted and draft_cost is not None else 0.0
+        paths = [s.path for s in active]  # uncapped, during this step
+        ready = list(ks)
+        wait = 0.0
+        engine_steps = 0
+        # Drafted requests whose path is stale: no draft now, the drafter restarts from the text
+        # while the target verifies the others (pipelined, drafting not free).
+        restarting: set[int] = set()
+        if t_d > 0 and not pipelined:
+            engine_steps = max(ks)
+            wait = engine_steps * t_d
+        elif t_d > 0:
+            restarting = {i for i in drafted if active[i].stale}
+            growing = [i for i in drafted if i not in restarting]
+            grown = _engine_steps(prev_target, t_d)
+            for i in growing:
+                paths[i] += grown
+            ready = [0 if i in restarting else min(k, max(0, p))
+                     for i, (k, p) in enumerate(zip(ks, paths, strict=True))]
+            waited_steps = 0
+            for _ in range(_MAX_WAIT_QUESTIONS):
+                late = [i for i in growing if ready[i] < ks[i]]
+                left = max_wait_s - wait
+                if not late or left <= 0:
+                    break
+                w = float(policy.wait_bound([views[i] for i in late], [ready[i] for i in late],
+                                            left))
+                if not w > 0:  # 0, or NaN
+                    break
+                # Never past the moment the last late draft is complete.
+                done_at = (waited_steps + max(ks[i] - paths[i] for i in late)) * t_d
+                wait += min(w, left, done_at - wait)
+                now = _engine_steps(wait, t_d)
+                for i in growing:
+                    paths[i] += now - waited_steps
+                    ready[i] = min(ks[i], max(0, paths[i]))
+                waited_steps = now
+            engine_steps = grown + waited_steps
+            cut = sum(ks[i] - ready[i] for i in drafted)
+            if cut:
+                res.dropped_drafts += 1
+                res.cut_tokens += cut
+        drafts: tuple[DraftTiming, ...] = ()
+        if engine_steps:
+            drafts = (DraftTiming(len(drafted), 1, t_d),) * min(engine_steps, MAX_DRAFT_RECORDS)
+        num_tokens = sum(1 + v for v in ready)
+        target = float(step_cost(num_tokens))
+        if noise:
+            target *= float(np.exp(noise * rng.standard_normal()))
+        res.total_seconds += target + wait
+        res.waited_seconds += wait
+        feedback, step_reqs, finished = [], [], []
+        for i, (slot, v, path) in enumerate(zip(active, ready, paths, strict=True)):
+            r, pos = slot.req, slot.pos
+            run = int(r.acc[pos])
+            a = min(v, run)
+            step_reqs.append(TraceRequest(r.req_id, pos, v, a))
+            if v:
+                feedback.append(StepFeedback(r.req_id, v, a))
+            res.total_tokens += a + 1
+            res.drafted_tokens += v
+            res.accepted_tokens += a
+            if pipelined:
+                _advance_path(slot, path, a, run, ks[i] > 0, i in restarting)
+            slot.pos = pos + a + 1
+            if slot.pos >= r.length:
+                finished.append(r.req_id)
+        res.steps.append(TraceStep(res.num_steps, res.total_seconds, target, num_tokens,
+                                   tuple(step_reqs), drafts))
+        res.num_steps += 1
+        res.request_steps += len(active)
+        policy.observe_step(StepTiming(len(active), num_tokens, target))
+        for d in drafts:
+            policy.observe_draft(d)
+        policy.observe(feedback)
+        if finished:
+            policy.forget(finished)
+            done = set(finished)
+            active = [slot for slot in active if slot.req.req_id not in done]
+        prev_target = target
+    res.final_snapshot = policy.snapshot()
+    return res
+
+
+def simulate(
+    trace: Sequence[TraceStep],
+    policy_factory: PolicyFactory,
+    concurrency: int,
+    pipelined: bool = True,
+    max_lookahead: int = 8,
+    max_wait_s: float = math.inf,
+) -> SimResult:
+    """Reconstruct ``trace`` and replay it under ``policy_factory`` (costs fitted on the trace)."""
+    return replay(reconstruct(trace), policy_factory, concurrency, pipelined,
+                  StepCostCurve.from_trace(trace), fit_draft_cost(trace), max_lookahead,
+                  max_wait_s)
+
+
+def default_policies(max_lookahead: int, pipelined: bool = True) -> dict[str, PolicyFactory]:
+    """adaptive, k=0 (no speculation) and fixed k=1..max_lookahead."""
+    pols: dict[str, PolicyFactory] = {
+        "adaptive": lambda: AdaptiveLookahead(max_lookahead, pipelined=pipelined),
+        "k=0": NoSpeculation,
+    }
+    for k in range(1, max_lookahead + 1):
+        pols[f"k={k}"] = lambda k=k: FixedLookahead(k)
+    return pols
+
+
+def compare(
+    trace: Sequence[TraceStep],
+    policies: Mapping[str, PolicyFactory],
+    concurrencies: Sequence[int],
+    pipelined: bool = True,
+    max_lookahead: int = 8,
+) -> list[dict[str, Any]]:
+    """One row per (policy, concurrency): tokens/s, speedup vs ``k=0`` (when among the
+    policies), mean accepted length, mean lookahead, and the fraction of steps whose token count
+    lies outside the trace's recorded range (the cost there is extrapolated)."""
+    requests = reconstruct(trace)
+    curve = StepCostCurve.from_trace(trace)
+    dcost = fit_draft_cost(trace)
+    rows = []
+    for c in concurrencies:
+        results = {name: replay(requests, factory, c, pipelined, curve, dcost, max_lookahead)
+                   for name, factory in policies.items()}
+        base = results["k=0"].tokens_per_second if "k=0" in results else None
+        for name, r in results.items():
+            outside = sum(1 for s in r.steps if not curve.covers(s.num_tokens))
+            rows.append({
+                "policy": name, "concurrency": c, "tokens_per_s": r.tokens_per_second,
+                "speedup": r.tokens_per_second / base if base else None,
+                "mean_accepted_length": r.mean_accepted_length,
+                "mean_lookahead": r.mean_lookahead, "seconds": r.total_seconds,
+                "tokens": r.total_tokens, "steps": r.num_steps,
+                "extrapolated": outside / r.num_steps if r.num_steps else 0.0,
+            })
+    return rows
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: one row per policy, one column per concurrency; best per column in bold."""
+    concs = sorted({r["concurrency"] for r in rows})
+    names = list(dict.fromkeys(r["policy"] for r in rows))
+    cell = {(r["policy"], r["concurrency"]): r for r in rows}
+    best = {c: max(r["tokens_per_s"] for r in rows if r["concurrency"] == c) for c in concs}
+    lines = ["| policy | " + " | ".join(f"c={c} tok/s (vs k=0, τ)" for c in concs) + " |",
+             "|---|" + "---|" * len(concs)]
+    for name in names:
+        cells = []
+        for c in concs:
+            r = cell.get((name, c))
+            if r is None:
+                cells.append("")
+                continue
+            sp = "" if r["speedup"] is None else f"{r['speedup']:.2f}x, "
+            txt = f"{r['tokens_per_s']:.1f} ({sp}{r['mean_accepted_length']:.2f})"
+            if r["extrapolated"] > 0.05:
+                txt += " †"
+            cells.append(f"**{txt}**" if r["tokens_per_s"] == best[c] else txt)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("τ: tokens per request per step. †: over 5% of the steps outside the recorded "
+                 "token counts (cost extrapolated).")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ synthetic
+
+
+def synthetic_trace(
+    agreement: Mapping[str, Sequence[int]],
+    record_k: int,
+    concurrency: int,
+    step_cost: Callable[[int], float],
+    draft_cost: Callable[[int, int], float] | None = None,
+    calibration_tokens: Iterable[int] = (),
+    pipelined: bool = True,
+) -> list[TraceStep]:
+    """A trace as the proposer would record it at fixed lookahead ``record_k``.
+
+    ``agreement[req_id]`` is the ground truth (1: the drafter agrees with the target at that
+    output position). ``calibration_tokens`` appends request-less steps of those token counts
+    (e.g. prefill steps), so the cost curve is sampled beyond the recorded load.
+    """
+    reqs = [ReplayRequest.from_agreement(rid, bits) for rid, bits in agreement.items()]
+    factory: PolicyFactory = NoSpeculation if record_k == 0 else (lambda: FixedLookahead(record_k))
+    steps = replay(reqs, factory, concurrency, pipelined, step_cost, draft_cost,
+                   max_lookahead=record_k).steps
+    t = steps[-1].t if steps else 0.0
+    for n in calibration_tokens:
+        s = float(step_cost(n))
+        t += s
+        steps.append(TraceStep(len(steps), t, s, int(n)))
+    return steps
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"concurrencies must be >= 1, got {text!r}")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_smurfs.trace_sim",
+        description="Compare lookahead policies by replaying recorded traces.")
+    parser.add_argument("traces", nargs="+", type=Path, help="JSON-lines trace file(s)")
+    parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32],
+                        help="comma-separated load points (requests in flight)")
+    parser.add_argument("--max-lookahead", type=int, default=8)
+    parser.add_argument("--sync", action="store_true",
+                        help="synchronous drafting (default: pipelined)")
+    args = parser.parse_args(argv)
+    if args.max_lookahead < 1:
+        parser.error(f"--max-lookahead must be >= 1, got {args.max_lookahead}")
+    trace: list[TraceStep] = []
+    for i, path in enumerate(args.traces):
+        steps = read_trace(path)
+        if len(args.traces) > 1:  # request ids of different runs may collide
+            steps = [TraceStep(s.step, s.t, s.seconds, s.num_tokens, tuple(
+                TraceRequest(f"{i}:{r.req_id}", r.position, r.k, r.accepted)
+                for r in s.requests), s.drafts) for s in steps]
+        trace.extend(steps)
+    requests = reconstruct(trace)
+    curve = StepCostCurve.from_trace(trace)
+    print(f"{len(trace)} steps, {len(requests)} requests, "
+          f"{sum(r.length for r in requests)} tokens; cost curve over "
+          f"{curve.lo:.0f}..{curve.hi:.0f} tokens; conflicts {sum(r.conflicts for r in requests)}")
+    rows = compare(trace, default_policies(args.max_lookahead, not args.sync),
+                   args.concurrency, not args.sync, args.max_lookahead)
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
