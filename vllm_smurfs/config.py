@@ -134,6 +134,24 @@ class VoteConfig(_Strict):
     max_weight: float = Field(default=20.0, gt=0, description="Upper bound of every weight.")
 
 
+class LookaheadConfig(_Strict):
+    """How the lookahead (draft length) is chosen each step, per request."""
+
+    policy: Literal["adaptive", "fixed"] = Field(
+        default="adaptive",
+        description="'adaptive': a controller picks each request's lookahead every step, from "
+        "measured acceptance and measured step costs (0 to num_speculative_tokens); 'fixed': "
+        "always num_speculative_tokens (for comparison).",
+    )
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="Adaptive policy: shortest lookahead it may choose (0 lets it switch "
+        "speculation off for a request).",
+    )
+
+
 class SmurfsConfig(_Strict):
     """Collective speculative decoding: several drafters, one weighted prefix-tree vote."""
 
@@ -147,6 +165,10 @@ class SmurfsConfig(_Strict):
         min_length=1, description="Model drafters and model-free voters, in priority order."
     )
     vote: VoteConfig = Field(default_factory=VoteConfig, description="Weight update settings.")
+    lookahead: LookaheadConfig = Field(
+        default_factory=LookaheadConfig,
+        description="Lookahead policy; num_speculative_tokens is its upper bound.",
+    )
     pipeline: bool = Field(
         default=True,
         description="Draft ahead: model drafters continue past the voted chain while the target "
@@ -154,10 +176,11 @@ class SmurfsConfig(_Strict):
         "synchronous drafting (each step waits up to draft_timeout_s).",
     )
     draft_wait_s: float = Field(
-        default=0.1,
+        default=0.05,
         ge=0,
-        description="Pipelined mode: longest wait per step for model drafters to answer requests "
-        "with no draft ready; a late answer still serves the next steps.",
+        description="Pipelined mode: longest wait per step for drafts still streaming in; the "
+        "lookahead policy waits one drafter step at a time while the tokens it brings are worth "
+        "the step's time (the fixed policy waits the whole bound).",
     )
     draft_timeout_s: float = Field(
         default=30.0,
@@ -166,9 +189,22 @@ class SmurfsConfig(_Strict):
         "hung, stopped and left out (it costs speculation, never a token); in synchronous mode "
         "also the longest wait per step.",
     )
+    trace_file: str | None = Field(
+        default=None,
+        description="Append a per-step trace (JSON lines: batch, per-request lookahead and "
+        "accepted tokens, step and drafter times) to this file, for the policy simulator "
+        "`python -m vllm_smurfs.trace_sim`.",
+    )
     log_stats_interval_s: float = Field(
         default=10.0, ge=0, description="Period of the per-drafter log line; 0 disables it."
     )
+
+    def model_post_init(self, __context: Any) -> None:
+        if self.lookahead.min_tokens > self.num_speculative_tokens:
+            raise ValueError(
+                f"lookahead.min_tokens ({self.lookahead.min_tokens}) must be <= "
+                f"num_speculative_tokens ({self.num_speculative_tokens})"
+            )
 
     @property
     def model_drafters(self) -> list[ModelDrafterConfig]:
@@ -290,4 +326,6 @@ def _allowed_keys_hint(loc: tuple[Any, ...]) -> str:
         parent = NgramDrafterConfig if "ngram" in loc else ModelDrafterConfig
     elif "vote" in loc:
         parent = VoteConfig
+    elif "lookahead" in loc:
+        parent = LookaheadConfig
     return "allowed keys: " + ", ".join(_field_names(parent))

@@ -1,22 +1,45 @@
-"""A model drafter's own process: one vLLM engine for one small draft model.
+"""A model drafter's own process: one vLLM engine that keeps drafting ahead for every request.
 
 Started by `multi_draft_worker.ModelDrafterClient` with ``python -m vllm_smurfs.drafter_server``
 (a subprocess, because vLLM workers are daemonic and may not fork children of their own). It
-connects back to the client over a local socket:
+connects back to the client over a local socket; messages are pickled tuples, token sequences are
+numpy int32 arrays:
 
-    -> ("draft", [(job_id, req_id, token_ids, n), ...])
-    <- ("drafts", num_messages_taken, [(job_id, tokens), ...])
+    -> ("track", [(req_id, context, max_lead), ...])
     -> ("forget", [req_id, ...])
     -> ("shutdown",)
+    <- ("ready", info) | ("error", num_messages_taken, traceback)
+    <- ("update", num_messages_taken, records, timing)    after every round (see `serve`)
 
-Jobs are not answered one message at a time: before each engine call the server drains every
-message waiting and keeps only the newest job of each request (a newer context supersedes an
-older one, whose answer would be stale). So work in flight is bounded to one job per request, and
-a client that sends drafts ahead never queues up work the target has already overtaken.
+Per request the server keeps a **path**: a context the client sent, followed by the drafter's own
+greedy continuation, streamed to the client one engine step at a time (a draft is usable as soon
+as its first tokens exist, not when a whole k-token call ends). ``track`` says "the target's text
+will be ``context`` if it accepts the chain it is verifying; keep drafting up to ``max_lead``
+tokens past it":
 
-The engine is vLLM's own: paged KV cache, prefix caching (a request's next draft prefills only
-the tokens accepted since its last one, plus the unfinished last block), and all requests of a
-step batched into one ``generate`` call. Drafting is greedy.
+- if the path already extends the context (the target accepted what this drafter drafted), the
+  drafter keeps going: nothing is redone;
+- otherwise the request restarts from the context (prefix caching makes that cheap: only the
+  unfinished last KV block and the new tokens are prefilled).
+
+Work in flight is bounded: an engine request drafts at most ``max_lead`` tokens past the context
+it was tracked with and then ends (the drafter *pauses* for that request); it resumes from the end
+of its path once the target has consumed half of the lead. The engine is vLLM's own: paged KV
+cache, prefix caching, every request's next token batched into one engine step.
+
+Update records, applied by the client in order:
+
+    (req_id, "reset", tokens)           the path restarts at ``tokens`` (drafting)
+    (req_id, "extend", (start, tokens)) tokens appended at position ``start`` of the path
+    (req_id, "resume", None)            drafting again from the end of the path
+    (req_id, "stop", None)              not drafting (paused, no room, or the request failed)
+
+(Side paths at the drafter's second choices, drafted while the target verifies, were tried and
+measured: each costs a re-prefill of the last block and shares the memory bandwidth the main paths
+need, and the target's token matched the drafter's second choice too rarely; on the 2-core CPU
+machine they lowered tokens/s.)
+
+``timing`` lists ``(num_reqs, seconds)`` of the engine steps of the round, for the cost model.
 """
 
 from __future__ import annotations
@@ -26,10 +49,13 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # Block size of the drafter's KV cache: prefix caching reuses whole blocks only, so small blocks
-# re-prefill less per step; 32 is the smallest the CPU attention backend accepts.
+# re-prefill less per restart; 32 is the smallest the CPU attention backend accepts.
 DRAFTER_BLOCK_SIZE = 32
 
 
@@ -69,72 +95,169 @@ def _build_engine(spec: dict[str, Any]) -> Any:
     return LLM(**kwargs)
 
 
-def _draft(llm: Any, batch: list[tuple[list[int], int]]) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+@dataclass
+class _Track:
+    """One request's path and the engine request extending it."""
 
-    prompts = [TokensPrompt(prompt_token_ids=tokens) for tokens, _ in batch]
-    params = [
-        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
-        for _, n in batch
-    ]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [list(out.outputs[0].token_ids) for out in outputs]
+    path: np.ndarray  # [num_tokens] int32: tracked context + drafted tokens
+    context_len: int  # length of the latest tracked context (a prefix of path)
+    max_lead: int
+    engine_id: str | None = None  # live engine request drafting this path, if any
+    generation: int = 0  # engine requests started so far (their ids must be unique)
+
+    @property
+    def lead(self) -> int:
+        return len(self.path) - self.context_len
 
 
-def serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
-    from multiprocessing.connection import Client
+class VllmDraftEngine:
+    """The drafter's vLLM `LLMEngine` behind the four calls `PathDrafter` makes."""
 
-    conn = Client(address, authkey=authkey)
-    try:
-        started = time.monotonic()
-        llm = _build_engine(spec)
-        vocab_size = llm.llm_engine.model_config.get_vocab_size()
-        conn.send(("ready", {"pid": os.getpid(), "vocab_size": vocab_size,
-                             "load_s": time.monotonic() - started,
-                             "cpus": sorted(os.sched_getaffinity(0))}))
-    except Exception:  # noqa: BLE001 - reported to the client, which decides
-        conn.send(("error", traceback.format_exc()))
-        return
-    fault = _Fault(os.environ.get("SMURFS_DRAFTER_FAULT", ""), spec.get("name", ""))
-    pending: dict[str, tuple[int, list[int], int]] = {}  # req_id -> newest (job_id, tokens, n)
-    taken = 0  # messages read since the last answer (the client bounds what it has in flight)
+    def __init__(self, llm_engine: Any) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._engine = llm_engine
+        self._prompt = TokensPrompt
+        self._params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                detokenize=False,
+                                                output_kind=RequestOutputKind.DELTA)
+
+    def add(self, engine_id: str, prompt: list[int], max_tokens: int) -> None:
+        self._engine.add_request(engine_id, self._prompt(prompt_token_ids=prompt),
+                                 self._params(max_tokens))
+
+    def abort(self, engine_id: str) -> None:
+        self._engine.abort_request([engine_id])
+
+    def busy(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def step(self) -> list[tuple[str, list[int], bool]]:
+        """One engine step: (engine_id, new tokens, finished) per request that moved."""
+        return [(out.request_id, list(out.outputs[0].token_ids), out.finished)
+                for out in self._engine.step()]
+
+
+class PathDrafter:
+    """The server's state: one path per request, extended by one batched engine step at a time.
+
+    ``engine`` is a `VllmDraftEngine` (a scripted stand-in serves the unit tests).
+    """
+
+    def __init__(self, engine: Any, max_model_len: int) -> None:
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self.tracks: dict[str, _Track] = {}
+        self.records: list[tuple[str, str, Any]] = []
+
+    def track(self, req_id: str, context: np.ndarray, max_lead: int) -> None:
+        n = len(context)
+        t = self.tracks.get(req_id)
+        if t is not None and len(t.path) >= n and np.array_equal(t.path[:n], context):
+            t.context_len, t.max_lead = n, max_lead
+            # Resume only once half the lead is used: a resume re-prefills the last block.
+            if t.engine_id is None and t.lead * 2 <= max_lead and self._start(req_id, t):
+                self.records.append((req_id, "resume", None))
+            return
+        if t is None:
+            t = self.tracks[req_id] = _Track(context, n, max_lead)
+        else:
+            self._abort(t)
+            t.path, t.context_len, t.max_lead = context, n, max_lead
+        self.records.append((req_id, "reset", context))
+        if not self._start(req_id, t):
+            self.records.append((req_id, "stop", None))
+
+    def forget(self, req_id: str) -> None:
+        t = self.tracks.pop(req_id, None)
+        if t is not None:
+            self._abort(t)
+
+    def step(self) -> tuple[int, float] | None:
+        """One engine step for every drafting request; (num_reqs, seconds), None if idle."""
+        if not self.engine.busy():
+            return None
+        num_reqs = sum(1 for t in self.tracks.values() if t.engine_id is not None)
+        started = time.perf_counter()
+        moved = self.engine.step()
+        seconds = time.perf_counter() - started
+        for engine_id, tokens, finished in moved:
+            req_id = engine_id.rpartition("#")[0]
+            t = self.tracks.get(req_id)
+            if t is None or t.engine_id != engine_id:
+                continue  # aborted or superseded meanwhile
+            if tokens:
+                new = np.asarray(tokens, dtype=np.int32)
+                self.records.append((req_id, "extend", (len(t.path), new)))
+                t.path = np.concatenate([t.path, new])
+            if finished:
+                t.engine_id = None
+                self.records.append((req_id, "stop", None))
+        return num_reqs, seconds
+
+    def take_records(self) -> list[tuple[str, str, Any]]:
+        records, self.records = self.records, []
+        return records
+
+    def _start(self, req_id: str, t: _Track) -> bool:
+        n = min(t.max_lead - t.lead, self.max_model_len - len(t.path))
+        if n <= 0:
+            return False
+        t.generation += 1
+        t.engine_id = f"{req_id}#{t.generation}"
+        self.engine.add(t.engine_id, t.path.tolist(), n)
+        return True
+
+    def _abort(self, t: _Track) -> None:
+        if t.engine_id is not None:
+            self.engine.abort(t.engine_id)
+            t.engine_id = None
+
+
+def serve(conn: Any, drafter: PathDrafter, fault: _Fault) -> None:
+    """Rounds of: take every message that arrived, then one engine step, then one update.
+
+    Blocks only when no request is drafting; then the next message starts a round. Every round
+    ends with one update, which acknowledges the messages taken (the client bounds what it has
+    in flight) and serves as a heartbeat while the drafter works.
+    """
     while True:
         try:
-            # Block only when idle; then take everything that has arrived meanwhile.
-            messages = [] if pending else [conn.recv()]
+            idle = not drafter.engine.busy()
+            messages = [conn.recv()] if idle else []
             while conn.poll(0):
                 messages.append(conn.recv())
         except (EOFError, OSError):
             return
-        taken += len(messages)
         for message in messages:
             if message[0] == "shutdown":
                 return
             if message[0] == "forget":
                 for req_id in message[1]:
-                    pending.pop(req_id, None)
-            elif message[0] == "draft":
-                for job_id, req_id, tokens, n in message[1]:
-                    pending[req_id] = (job_id, tokens, n)
-        if not pending:
-            continue
-        jobs, pending = list(pending.values()), {}
-        fault.before_step()
-        try:
-            drafts = _draft(llm, [(tokens, n) for _, tokens, n in jobs])
-        except Exception:  # noqa: BLE001 - a failed step costs speculation only
-            conn.send(("error", taken, traceback.format_exc()))
-            taken = 0
-            continue
-        conn.send(("drafts", taken,
-                   [(job_id, draft) for (job_id, _, _), draft in zip(jobs, drafts)]))
-        taken = 0
+                    drafter.forget(req_id)
+            elif message[0] == "track":
+                for req_id, context, max_lead in message[1]:
+                    drafter.track(req_id, np.asarray(context, dtype=np.int32), max_lead)
+        timing = []
+        if drafter.engine.busy():
+            fault.before_step()
+            try:
+                stepped = drafter.step()
+            except Exception:  # noqa: BLE001 - a failed step costs speculation only
+                conn.send(("error", len(messages), traceback.format_exc()))
+                for req_id in list(drafter.tracks):
+                    drafter.forget(req_id)
+                continue
+            if stepped is not None:
+                timing.append(stepped)
+        conn.send(("update", len(messages), drafter.take_records(), timing))
 
 
 class _Fault:
     """Fault injection for the fault tests: ``SMURFS_DRAFTER_FAULT=NAME=exit_after:N`` makes the
-    drafter NAME die before its N+1-th engine call; ``NAME=hang_after:N`` makes it stop answering.
+    drafter NAME die before its N+1-th engine step; ``NAME=hang_after:N`` makes it stop answering.
     """
 
     def __init__(self, spec: str, name: str) -> None:
@@ -154,7 +277,17 @@ class _Fault:
         self.steps += 1
 
 
+def _warm_up(engine: VllmDraftEngine) -> None:
+    """Run the first engine steps before reporting ready: one-time set-up costs must not land
+    on a live request."""
+    engine.add("warm-up#0", [0, 1, 2, 3], 2)
+    while engine.busy():
+        engine.step()
+
+
 def main() -> None:
+    from multiprocessing.connection import Client
+
     address, spec_json = sys.argv[1], sys.argv[2]
     authkey = bytes.fromhex(os.environ.pop("SMURFS_DRAFTER_AUTHKEY"))
     spec = json.loads(spec_json)
@@ -162,7 +295,21 @@ def main() -> None:
     # Placement first: threads created by torch inherit this affinity.
     if spec.get("cpus"):
         os.sched_setaffinity(0, spec["cpus"])
-    serve(address, authkey, spec)
+    conn = Client(address, authkey=authkey)
+    try:
+        started = time.monotonic()
+        llm = _build_engine(spec)
+        vocab_size = llm.llm_engine.model_config.get_vocab_size()
+        engine = VllmDraftEngine(llm.llm_engine)
+        _warm_up(engine)
+        conn.send(("ready", {"pid": os.getpid(), "vocab_size": vocab_size,
+                             "load_s": time.monotonic() - started,
+                             "cpus": sorted(os.sched_getaffinity(0))}))
+    except Exception:  # noqa: BLE001 - reported to the client, which decides
+        conn.send(("error", 0, traceback.format_exc()))
+        return
+    fault = _Fault(os.environ.get("SMURFS_DRAFTER_FAULT", ""), spec.get("name", ""))
+    serve(conn, PathDrafter(engine, spec["max_model_len"]), fault)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ from typing import Any
 #: Cumulative fields of `get_smurfs_stats`' totals and of each drafter's entry; the other fields
 #: (weights, health, derived ratios) describe the moment of the snapshot.
 TOTAL_COUNTERS = ("steps", "proposed_drafts", "verified_drafts", "verified_draft_tokens",
-                  "accepted_tokens")
-DRAFTER_COUNTERS = ("vote_wins", "drafted_tokens", "accepted_tokens", "steps_late")
+                  "accepted_tokens", "requests_drafted", "requests_without_draft")
+SECONDS_COUNTERS = ("target_step_s", "wait_s", "proposer_s")
+DRAFTER_COUNTERS = ("vote_wins", "drafted_tokens", "accepted_tokens", "steps_late",
+                    "engine_steps")
 
 
 def _worker_smurfs_stats(worker: Any) -> dict[str, Any] | None:
@@ -41,12 +43,15 @@ def get_smurfs_stats(llm: Any) -> dict[str, Any]:
 def stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """The figures of ``after`` with its counters counted from the ``before`` snapshot on."""
     out = {**after, **{key: after[key] - before[key] for key in TOTAL_COUNTERS}}
+    out.update({key: round(after[key] - before[key], 4) for key in SECONDS_COUNTERS})
     out["mean_acceptance_length"] = (
         round(1 + out["accepted_tokens"] / out["verified_drafts"], 4)
         if out["verified_drafts"] else None)
     drafters = []
     for now, then in zip(after["drafters"], before["drafters"], strict=True):
-        entry = {**now, **{key: now[key] - then[key] for key in DRAFTER_COUNTERS}}
+        entry = {**now, **{key: now[key] - then[key] for key in DRAFTER_COUNTERS if key in now}}
+        if "busy_s" in now:
+            entry["busy_s"] = round(now["busy_s"] - then["busy_s"], 4)
         drafted = entry["drafted_tokens"]
         entry["acceptance"] = round(entry["accepted_tokens"] / drafted, 4) if drafted else 0.0
         drafters.append(entry)

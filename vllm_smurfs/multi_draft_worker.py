@@ -1,12 +1,15 @@
-"""The drafter runtime: N drafters, each asked for a draft of every request in a step.
+"""The drafter runtime: N drafters, each drafting for every request of a step.
 
-Model drafters run in their own processes (`drafter_server`), each with its own vLLM engine; the
-interface is asynchronous (`ModelDrafterClient.submit` now, `collect` later) so drafting can
-overlap other work. Model-free voters (`model_free`) run in this process: they cost microseconds.
+Model drafters run in their own processes (`drafter_server`), each with its own vLLM engine, and
+stream their drafts: per request a drafter keeps a *path* (the text it expects, its own greedy
+continuation of a context), extended one engine step at a time while the target verifies. The
+client side here mirrors those paths; a step takes from each path what is ready and consistent
+with the request's current text, and tells the drafters where the text goes next (`track`).
+Model-free voters (`model_free`) run in this process: they cost microseconds.
 
-Faults cost speculation, never a request: a drafter that is late past the step's deadline gives
-no draft for that step (and is skipped while its late answer is outstanding); one that crashes
-is left out for the rest of the run. Both show in the log and in `DrafterHealth`.
+Faults cost speculation, never a request: a drafter with nothing ready gives no draft for the
+step; one that crashes, or stays silent past ``draft_timeout_s`` while it owes an answer, is
+stopped and left out for the rest of the run. Both show in the log and in `DrafterHealth`.
 """
 
 from __future__ import annotations
@@ -39,15 +42,16 @@ _INHERITED_ENV_TO_DROP = (
     "OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY",
     "VLLM_CPU_OMP_THREADS_BIND", "VLLM_DIST_IDENT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
     "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES_OVERRIDE",
+    "NUMBA_NUM_THREADS",
 )
 _INHERITED_ENV_PREFIXES_TO_DROP = ("KMP_", "OMP_", "GOMP_")
-# Messages a drafter may have unanswered before it is skipped: the server answers everything it
-# has read with each engine call, so a healthy drafter stays at 1-2; the bound keeps a stalled one
-# from filling its socket until send() would block the target.
+# Messages a drafter may leave unacknowledged before it is not sent more: the server acknowledges
+# everything it took with each round (one engine step), and a step sends at most two, so a
+# healthy drafter stays at 1-2; the bound keeps a stalled one from filling its socket until
+# send() would block the target.
 MAX_MESSAGES_IN_FLIGHT = 4
-# Paths (context + drafted tokens) kept per request and drafter: the newest answer and the two
-# before it, so a draft that lost the vote still serves when the target takes its branch.
-PATHS_PER_REQUEST = 3
+# Polling granularity while a step waits for drafts (the wait ends as soon as they are there).
+_WAIT_SLICE_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,25 @@ class DraftRequest:
 class DrafterHealth:
     name: str
     alive: bool = True
-    steps_answered: int = 0
-    steps_late: int = 0  # steps whose wait ended before this drafter's answer
-    steps_skipped_busy: int = 0  # steps it was not asked: too many messages unanswered
+    steps_answered: int = 0  # rounds of the drafter process (one engine step each)
+    steps_late: int = 0  # target steps whose wait for drafts ended before this drafter had them
+    steps_skipped_busy: int = 0  # steps it was not told about: too many messages unacknowledged
+    busy_s: float = 0.0  # seconds the drafter's engine spent in its steps
     last_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Path:
+    """The client's copy of one request's path on one drafter."""
+
+    tokens: np.ndarray  # [num_tokens] int32
+    drafting: bool  # the drafter is extending it
+
+    def extends(self, context: np.ndarray) -> bool:
+        # A few microseconds for a 4k-token context: no need to remember what was compared.
+        n = len(context)
+        return len(self.tokens) >= n and np.array_equal(self.tokens[:n], context)
 
 
 class ModelDrafterClient:
@@ -88,16 +106,15 @@ class ModelDrafterClient:
             "cpus": spec.cpus or _free_cpus(),
             "name": self.name,
         }
+        self.hang_timeout_s = hang_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._listener: Listener | None = None
-        self._job_id = 0
-        self._jobs: dict[int, tuple[str, np.ndarray]] = {}  # unanswered job -> (req_id, context)
-        self._newest_job: dict[str, int] = {}  # req_id -> its newest job
-        self._paths: dict[str, list[np.ndarray]] = {}  # req_id -> newest paths first
-        self._unanswered = 0  # messages sent that the server has not taken into an answer yet
-        self._unanswered_since: float | None = None
-        self.hang_timeout_s = hang_timeout_s
+        self._paths: dict[str, _Path] = {}
+        self._unacked = 0  # messages sent that the server has not acknowledged yet
+        self._last_heard = time.monotonic()
+        #: (num_reqs, seconds) of engine steps not yet handed to the length controller
+        self.step_timings: list[tuple[int, float]] = []
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,8 +132,9 @@ class ModelDrafterClient:
 
     def wait_ready(self, timeout_s: float) -> None:
         assert self._listener is not None and self._proc is not None
+        listener = self._listener
         accepted: list[Connection] = []
-        acceptor = threading.Thread(target=lambda: accepted.append(self._listener.accept()),
+        acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()),
                                     daemon=True)
         acceptor.start()
         deadline = time.monotonic() + timeout_s
@@ -134,9 +152,10 @@ class ModelDrafterClient:
                 return
         message = self._conn.recv()
         if message[0] != "ready":
-            self._fail("drafter engine failed to start:\n" + str(message[1]))
+            self._fail("drafter engine failed to start:\n" + str(message[-1]))
             return
         self.health.extra.update(message[1])
+        self._last_heard = time.monotonic()
         logger.info("Smurfs drafter %s ready: pid %s, cpus %s, %.1f s", self.name,
                     message[1]["pid"], message[1]["cpus"], message[1]["load_s"])
 
@@ -157,67 +176,58 @@ class ModelDrafterClient:
             self._listener.close()
             self._listener = None
 
-    # -- drafting -----------------------------------------------------------------------------
-    # A drafter's answer is kept as a *path*: the context it was asked about followed by the tokens
-    # it drafted. Whatever the target does next, a path still gives a draft for any context that
-    # is a proper prefix of it: after a full acceptance (when the path was drafted ahead, past the
-    # voted chain), after a rejection where the target's token is the one this drafter had drafted
-    # (its own draft lost the vote), after a one-token step whose token it had guessed, or after a
-    # late answer. The newest PATHS_PER_REQUEST paths are kept; older ones are dropped.
+    @property
+    def alive(self) -> bool:
+        return self.health.alive and self._conn is not None
 
-    def submit(self, jobs: Sequence[tuple[str, np.ndarray, int]]) -> list[int]:
-        """Send ``(req_id, context, n)`` jobs (draft n tokens after context); return job ids."""
-        if not self.health.alive or self._conn is None or not jobs:
-            return []
-        if self._unanswered >= MAX_MESSAGES_IN_FLIGHT:
+    # -- drafting -----------------------------------------------------------------------------
+    def track(self, items: Sequence[tuple[str, np.ndarray, int]]) -> bool:
+        """Tell the drafter each request's text: ``(req_id, context, max_lead)``.
+
+        It keeps (or restarts) its path for the request and drafts up to ``max_lead`` tokens past
+        ``context``. Returns False when nothing was sent (no items, dead, or behind).
+        """
+        if not self.alive or not items:
+            return False
+        if self._unacked >= MAX_MESSAGES_IN_FLIGHT:
             # Behind (or hung): sending more would only fill the socket until send() blocks.
             self.health.steps_skipped_busy += 1
             self._check_hung()
+            return False
+        batch = [(req_id, np.asarray(context, dtype=np.int32), max_lead)
+                 for req_id, context, max_lead in items if len(context) < self.max_model_len]
+        return bool(batch) and self._send(("track", batch))
+
+    def draft_for(self, req_id: str, context: np.ndarray, k: int) -> list[int]:
+        """Up to k tokens continuing ``context`` along this drafter's path (may be empty)."""
+        path = self._paths.get(req_id)
+        if path is None or not path.extends(context):
             return []
-        batch, ids = [], []
-        for req_id, context, n in jobs:
-            self._job_id += 1
-            superseded = self._newest_job.get(req_id)
-            if superseded is not None:
-                self._jobs.pop(superseded, None)  # the server drops it, or answers it late
-            self._newest_job[req_id] = self._job_id
-            self._jobs[self._job_id] = (req_id, context)
-            batch.append((self._job_id, req_id, context.tolist(), n))
-            ids.append(self._job_id)
-        if not self._send(("draft", batch)):
-            return []
-        return ids
-
-    def wait_for(self, job_ids: Sequence[int], deadline: float) -> bool:
-        """Take answers until ``job_ids`` are answered or ``deadline``; True if all were."""
-        waiting = set(job_ids)
-        while waiting & self._jobs.keys():
-            if not self._receive(max(0.0, deadline - time.monotonic())):
-                self.health.steps_late += 1
-                self._check_hung()
-                return False
-        return True
-
-    def poll(self) -> None:
-        """Take every answer that has already arrived."""
-        while self._receive(0.0):
-            pass
-
-    def draft_for(self, req_id: str, context: np.ndarray, k: int) -> list[int] | None:
-        """Up to k tokens continuing ``context`` along this drafter's path, or None."""
         n = len(context)
-        for path in self._paths.get(req_id, ()):
-            if len(path) > n and np.array_equal(path[:n], context):
-                return path[n : n + k].tolist()
-        return None
+        return path.tokens[n : n + k].tolist()
+
+    def is_drafting(self, req_id: str, context: np.ndarray) -> bool:
+        """Whether more tokens continuing ``context`` may still come for this request."""
+        if not self.alive:
+            return False
+        if self._unacked:
+            return True  # a message it has not acted on yet may start a draft
+        path = self._paths.get(req_id)
+        return path is not None and path.drafting and path.extends(context)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Take every update that has arrived (waiting up to ``timeout`` for the first)."""
+        got = False
+        while self._receive(timeout):
+            got, timeout = True, 0.0
+        if not got:
+            self._check_hung()
+        return got
 
     def forget(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
             self._paths.pop(req_id, None)
-            job = self._newest_job.pop(req_id, None)
-            if job is not None:
-                self._jobs.pop(job, None)
-        if self.health.alive and self._conn is not None and req_ids:
+        if self.alive and req_ids:
             self._send(("forget", list(req_ids)))
 
     def _send(self, message: tuple[Any, ...]) -> bool:
@@ -227,20 +237,26 @@ class ModelDrafterClient:
         except OSError as exc:
             self._fail(f"send failed: {exc}")
             return False
-        self._unanswered += 1
-        if self._unanswered_since is None:
-            self._unanswered_since = time.monotonic()
+        if not self._unacked and not self._owes_tokens():
+            self._last_heard = time.monotonic()  # the hang clock starts now
+        self._unacked += 1
         return True
 
+    def _owes_tokens(self) -> bool:
+        return any(p.drafting for p in self._paths.values())
+
     def _check_hung(self) -> None:
-        since = self._unanswered_since
-        if since is not None and time.monotonic() - since > self.hang_timeout_s:
-            self._fail(f"no answer for {time.monotonic() - since:.1f} s")
+        if not self.alive or not (self._unacked or self._owes_tokens()):
+            return
+        silent = time.monotonic() - self._last_heard
+        if silent > self.hang_timeout_s:
+            self._fail(f"no answer for {silent:.1f} s")
 
     def _receive(self, timeout: float) -> bool:
-        """Take one message within ``timeout``; False if none came (or the drafter is gone)."""
-        if not self.health.alive or self._conn is None:
+        """Apply one message within ``timeout``; False if none came (or the drafter is gone)."""
+        if not self.alive:
             return False
+        assert self._conn is not None
         try:
             if not self._conn.poll(timeout):
                 return False
@@ -248,23 +264,34 @@ class ModelDrafterClient:
         except (EOFError, OSError) as exc:
             self._fail(f"connection lost: {exc!r}")
             return False
-        self._unanswered = max(0, self._unanswered - message[1])
-        self._unanswered_since = time.monotonic() if self._unanswered else None
+        self._last_heard = time.monotonic()
+        self._unacked = max(0, self._unacked - message[1])
         if message[0] == "error":
             self.health.last_error = message[2]
             logger.warning("Smurfs drafter %s failed a step:\n%s", self.name, message[2])
-            self._jobs.clear()  # that step's jobs are lost; the next step asks again
+            self._paths.clear()  # the server dropped its requests; the next steps start again
             return True
         self.health.steps_answered += 1
-        for job_id, tokens in message[2]:
-            job = self._jobs.pop(job_id, None)
-            if job is not None:
-                req_id, context = job
-                path = np.concatenate([context, np.asarray(tokens, context.dtype)])
-                paths = self._paths.setdefault(req_id, [])
-                paths.insert(0, path)
-                del paths[PATHS_PER_REQUEST:]
+        for num_reqs, seconds in message[3]:
+            self.health.busy_s += seconds
+            self.step_timings.append((num_reqs, seconds))
+        for req_id, kind, payload in message[2]:
+            self._apply(req_id, kind, payload)
         return True
+
+    def _apply(self, req_id: str, kind: str, payload: Any) -> None:
+        if kind == "reset":
+            self._paths[req_id] = _Path(payload, drafting=True)
+            return
+        path = self._paths.get(req_id)
+        if path is None:
+            return  # forgotten meanwhile
+        if kind == "extend":
+            start, tokens = payload
+            if start == len(path.tokens):
+                path.tokens = np.concatenate([path.tokens, tokens])
+        elif kind in ("resume", "stop"):
+            path.drafting = kind == "resume"
 
     def _fail(self, reason: str) -> None:
         if self.health.alive:
@@ -272,6 +299,7 @@ class ModelDrafterClient:
                          self.name, reason)
         self.health.alive = False
         self.health.last_error = reason
+        self._paths.clear()
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
 
@@ -291,7 +319,7 @@ class ModelFreeDrafter:
 
 
 class MultiDraftWorker:
-    """Asks every drafter for a draft of every request; the vote happens in the proposer."""
+    """Every drafter's drafts for every request; the vote happens in the proposer."""
 
     def __init__(self, config: SmurfsConfig, dtype: str, max_model_len: int, max_num_seqs: int,
                  trust_remote_code: bool = False) -> None:
@@ -304,7 +332,6 @@ class MultiDraftWorker:
                     hang_timeout_s=config.draft_timeout_s))
             else:
                 self.drafters.append(ModelFreeDrafter(spec))
-        self._started = False
 
     @property
     def names(self) -> list[str]:
@@ -322,53 +349,74 @@ class MultiDraftWorker:
         deadline = time.monotonic() + timeout_s
         for drafter in self.model_drafters:
             drafter.wait_ready(max(1.0, deadline - time.monotonic()))
-        self._started = True
         if self.model_drafters and not any(d.health.alive for d in self.model_drafters):
             logger.error("No Smurfs model drafter started; only model-free voters will draft.")
 
-    def draft(self, requests: Sequence[DraftRequest], wait_s: float) -> list[list[list[int]]]:
-        """drafts[i][d]: drafter d's draft for requests[i] (empty when it has none in time).
-
-        Drafts already drafted ahead are used at once; for the other requests each model drafter
-        is asked now and waited for at most ``wait_s`` (a late answer still serves later steps).
-        """
-        drafts: list[list[list[int]]] = [[[] for _ in self.drafters] for _ in requests]
-        if not requests:
-            return drafts
-        asked: list[tuple[ModelDrafterClient, list[int]]] = []
+    def poll(self) -> None:
         for drafter in self.model_drafters:
             drafter.poll()
-            missing = [(r.req_id, r.context, r.k) for r in requests
-                       if drafter.draft_for(r.req_id, r.context, r.k) is None
-                       and len(r.context) + r.k <= drafter.max_model_len]
-            asked.append((drafter, drafter.submit(missing)))
-        # Model-free voters run while the model drafters work.
+
+    def ready(self, requests: Sequence[DraftRequest]) -> list[list[list[int]]]:
+        """drafts[i][d]: drafter d's draft for requests[i] now (empty when it has none)."""
+        drafts: list[list[list[int]]] = [[[] for _ in self.drafters] for _ in requests]
         for d, drafter in enumerate(self.drafters):
             if isinstance(drafter, ModelFreeDrafter):
                 for i, tokens in enumerate(drafter.propose(requests)):
                     drafts[i][d] = tokens
-        deadline = time.monotonic() + wait_s
-        for drafter, job_ids in asked:
-            drafter.wait_for(job_ids, deadline)
-        for d, drafter in enumerate(self.drafters):
-            if isinstance(drafter, ModelDrafterClient):
+            else:
                 for i, r in enumerate(requests):
-                    drafts[i][d] = drafter.draft_for(r.req_id, r.context, r.k) or []
+                    drafts[i][d] = drafter.draft_for(r.req_id, r.context, r.k)
         return drafts
 
-    def draft_ahead(self, requests: Sequence[DraftRequest], voted: Sequence[list[int]]) -> None:
-        """Let model drafters continue past the voted chains while the target verifies them.
+    def late(self, requests: Sequence[DraftRequest]) -> list[tuple[int, int]]:
+        """(index, tokens ready) of the requests with fewer than k draft tokens ready from any
+        model drafter while one is still drafting for their current text."""
+        out = []
+        for i, r in enumerate(requests):
+            ready = max((len(d.draft_for(r.req_id, r.context, r.k)) for d in self.model_drafters),
+                        default=0)
+            if ready < r.k and any(d.is_drafting(r.req_id, r.context)
+                                   for d in self.model_drafters):
+                out.append((i, ready))
+        return out
 
-        Each drafts k + 1 tokens after ``context + voted``: its own guess of the target's next
-        token (standing in for the bonus token), then a full next draft.
-        """
+    def wait(self, requests: Sequence[DraftRequest], timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every model drafter has k tokens for every request, or
+        has nothing more coming for it; True if nothing was still missing at the end."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [d for d in self.model_drafters if self._missing(d, requests)]
+            if not missing:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for drafter in missing:
+                    drafter.health.steps_late += 1
+                return False
+            for drafter in missing:
+                drafter.poll(min(left, _WAIT_SLICE_S) / len(missing))
+
+    @staticmethod
+    def _missing(drafter: ModelDrafterClient, requests: Sequence[DraftRequest]) -> bool:
+        return any(len(drafter.draft_for(r.req_id, r.context, r.k)) < r.k
+                   and drafter.is_drafting(r.req_id, r.context) for r in requests)
+
+    def track(self, requests: Sequence[DraftRequest], chains: Sequence[Sequence[int]],
+              max_lead: Sequence[int]) -> None:
+        """Tell the model drafters each request's text continues with ``chains`` (the voted
+        drafts now being verified): they draft on past them, up to ``max_lead`` tokens."""
         for drafter in self.model_drafters:
-            jobs = []
-            for request, chain in zip(requests, voted):
-                context = np.concatenate([request.context, np.asarray(chain, request.context.dtype)])
-                if len(context) + request.k + 1 <= drafter.max_model_len:
-                    jobs.append((request.req_id, context, request.k + 1))
-            drafter.submit(jobs)
+            drafter.track([
+                (r.req_id, np.concatenate([r.context, np.asarray(chain, r.context.dtype)]), lead)
+                for r, chain, lead in zip(requests, chains, max_lead)])
+
+    def step_timings(self) -> list[tuple[int, float]]:
+        """(num_reqs, seconds) of every model drafter's engine steps since the last call."""
+        out: list[tuple[int, float]] = []
+        for drafter in self.model_drafters:
+            out.extend(drafter.step_timings)
+            drafter.step_timings.clear()
+        return out
 
     def forget(self, req_ids: Sequence[str]) -> None:
         for drafter in self.model_drafters:

@@ -17,13 +17,22 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
 from vllm_smurfs.config import SmurfsConfig
-from vllm_smurfs.length_controller import FixedLookahead, RequestView, StepFeedback
+from vllm_smurfs.length_controller import (
+    AdaptiveLookahead,
+    DraftTiming,
+    FixedLookahead,
+    LookaheadPolicy,
+    RequestView,
+    StepFeedback,
+    StepTiming,
+)
 from vllm_smurfs.multi_draft_worker import DraftRequest, MultiDraftWorker
+from vllm_smurfs.trace_sim import TraceRequest, TraceStep
 from vllm_smurfs.vote_sampler import (
     DrafterWeights,
     WeightUpdateRule,
@@ -46,6 +55,7 @@ class StepContext:
     # The drafts verified in this step, as the scheduler sent them (it may cut a draft short,
     # e.g. near max_tokens); None when unknown: the proposer's own last draft is assumed.
     verified_drafts: Mapping[str, list[int]] | None = None
+    num_scheduled_tokens: int = 0  # tokens the target computes in this step (drafts, prefills)
 
 
 @dataclass
@@ -79,6 +89,11 @@ class SmurfsStats:
     verified_drafts: int = 0  # of those, the ones the target verified
     verified_draft_tokens: int = 0
     accepted_tokens: int = 0
+    requests_drafted: int = 0  # (request, step) pairs with a lookahead > 0
+    requests_without_draft: int = 0  # of those, the ones no drafter had anything ready for
+    target_step_s: float = 0.0  # time between our return and the next call: the target's steps
+    wait_s: float = 0.0  # time propose() waited for drafts
+    proposer_s: float = 0.0  # time in propose(), waits included
     drafters: list[DrafterStats] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -88,7 +103,20 @@ class SmurfsStats:
                 "verified_draft_tokens": self.verified_draft_tokens,
                 "accepted_tokens": self.accepted_tokens,
                 "mean_acceptance_length": None if mean is None else round(mean, 4),
+                "requests_drafted": self.requests_drafted,
+                "requests_without_draft": self.requests_without_draft,
+                "target_step_s": round(self.target_step_s, 4), "wait_s": round(self.wait_s, 4),
+                "proposer_s": round(self.proposer_s, 4),
                 "drafters": [d.as_dict() for d in self.drafters]}
+
+
+def make_policy(config: SmurfsConfig) -> LookaheadPolicy:
+    """The lookahead policy ``config.lookahead`` asks for."""
+    if config.lookahead.policy == "fixed":
+        return FixedLookahead(config.num_speculative_tokens)
+    return AdaptiveLookahead(config.num_speculative_tokens,
+                             min_lookahead=config.lookahead.min_tokens,
+                             pipelined=config.pipeline)
 
 
 class SmurfsProposer:
@@ -99,7 +127,7 @@ class SmurfsProposer:
         model_config = vllm_config.model_config
         self.num_speculative_tokens = self.config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len
-        self.policy = FixedLookahead(self.num_speculative_tokens)
+        self.policy = make_policy(self.config)
         self.rule = WeightUpdateRule(**self.config.vote.model_dump())
         self.global_weights = DrafterWeights([d.weight for d in self.config.drafters], self.rule)
         self.worker = MultiDraftWorker(
@@ -113,6 +141,13 @@ class SmurfsProposer:
         self._states: dict[str, _RequestState] = {}
         self._step: StepContext | None = None
         self._last_log = time.monotonic()
+        self._returned_at: float | None = None  # when propose() last returned
+        self._trace: TextIO | None = None
+        if self.config.trace_file:
+            # Line-buffered: a trace of a run that is killed keeps every step it finished.
+            path = self.config.trace_file
+            self._trace = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._last_req_ids: frozenset[str] = frozenset()
 
     # -- vLLM's proposer interface ------------------------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
@@ -128,14 +163,31 @@ class SmurfsProposer:
         token_ids_cpu: np.ndarray,  # [>= num_reqs, max_model_len] context tokens per row
         slot_mappings: Any = None,  # unused: drafters keep their own KV caches
     ) -> list[list[int]]:
+        called = time.perf_counter()
         step, self._step = self._step, None
         if step is None or len(step.req_ids) != len(sampled_token_ids):
             raise RuntimeError(
                 "SmurfsProposer was called without its step context: the vllm_smurfs patch of "
                 "GPUModelRunner.propose_draft_token_ids is not applied (is the plugin loaded?)"
             )
+        step_s = None
+        if self._returned_at is not None and self._last_req_ids.intersection(step.req_ids):
+            # From our last return to this call the target ran a step: schedule, forward, sample.
+            # (With no request in common the engine may have been idle in between: not timed.)
+            step_s = called - self._returned_at
+            self.stats.target_step_s += step_s
+            self.policy.observe_step(StepTiming(len(step.req_ids), step.num_scheduled_tokens,
+                                                step_s))
+        self._last_req_ids = frozenset(step.req_ids)
         self.forget(step.finished_req_ids | step.restarted_req_ids)
-        self._learn(step, sampled_token_ids)
+        feedback = self._learn(step, sampled_token_ids)
+        # Streaming drafters report each engine step: one position for every sequence in it.
+        draft_timings = [DraftTiming(n, 1, s) for n, s in self.worker.step_timings()]
+        for timing in draft_timings:
+            self.policy.observe_draft(timing)
+        if self._trace is not None and step_s is not None:
+            self._write_trace(step, sampled_token_ids, num_tokens_no_spec, feedback, step_s,
+                              draft_timings)
 
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]
         views = [RequestView(step.req_ids[i], int(num_tokens_no_spec[i]), self.max_model_len)
@@ -143,30 +195,65 @@ class SmurfsProposer:
         max_lookahead = min(step.max_spec_tokens or self.num_speculative_tokens,
                             self.num_speculative_tokens)
         lookaheads = self.policy.choose(views, max_lookahead)
-        requests = [
-            DraftRequest(step.req_ids[i], token_ids_cpu[i, : int(num_tokens_no_spec[i])].copy(), k)
-            for i, k in zip(rows, lookaheads) if k > 0
-        ]
-        row_of = {step.req_ids[i]: i for i in rows}
-        pipelined = self.config.pipeline
-        drafts = self.worker.draft(
-            requests, self.config.draft_wait_s if pipelined else self.config.draft_timeout_s)
+        chosen = [(i, view, k) for i, view, k in zip(rows, views, lookaheads) if k > 0]
+        requests = [DraftRequest(view.req_id, token_ids_cpu[i, : view.num_tokens].copy(), k)
+                    for i, view, k in chosen]
+        drafts = self._collect(requests, [view for _, view, _ in chosen])
 
         proposals: list[list[int]] = [[] for _ in sampled_token_ids]
         for state in (self._states.get(step.req_ids[i]) for i in rows):
             if state is not None:
                 state.drafts = state.voted = None
-        for request, per_drafter in zip(requests, drafts):
+        voted = []
+        for (row, _, _), request, per_drafter in zip(chosen, requests, drafts):
             state = self._state(request.req_id)
             vote = weighted_prefix_vote(per_drafter, state.weights.weights, max_len=request.k)
             state.drafts, state.voted = per_drafter, vote.tokens
-            proposals[row_of[request.req_id]] = vote.tokens
+            proposals[row] = vote.tokens
+            voted.append(vote.tokens)
             self._count_proposal(vote.tokens, vote.winner)
-        if pipelined:
-            self.worker.draft_ahead(requests, [self._states[r.req_id].voted or [] for r in requests])
+        if self.config.pipeline:
+            # Drafters go on past the chains while the target verifies them.
+            self.worker.track(requests, voted, [self._max_lead(r.k) for r in requests])
         self.stats.steps += 1
         self._maybe_log()
+        self._returned_at = time.perf_counter()
+        self.stats.proposer_s += self._returned_at - called
         return proposals
+
+    def _collect(self, requests: list[DraftRequest],
+                 views: list[RequestView]) -> list[list[list[int]]]:
+        """Every drafter's draft of every request: what is ready, after waiting if worth it."""
+        if not requests:
+            return []
+        self.worker.poll()
+        started = time.perf_counter()
+        if self.config.pipeline:
+            # Drafters stream: wait one drafter step at a time while the policy finds the
+            # tokens it brings worth the step's time, within draft_wait_s in all.
+            budget = self.config.draft_wait_s
+            while (late := self.worker.late(requests)):
+                left = budget - (time.perf_counter() - started)
+                wait_s = self.policy.wait_bound([views[i] for i, _ in late],
+                                                [ready for _, ready in late], max(0.0, left))
+                if wait_s <= 0:
+                    break
+                self.worker.wait([requests[i] for i, _ in late], wait_s)
+        else:
+            # Synchronous: draft exactly what this step verifies, then wait for it.
+            self.worker.track(requests, [[] for _ in requests], [r.k for r in requests])
+            self.worker.wait(requests, self.config.draft_timeout_s)
+        self.stats.wait_s += time.perf_counter() - started
+        drafts = self.worker.ready(requests)
+        self.stats.requests_drafted += len(requests)
+        self.stats.requests_without_draft += sum(1 for per in drafts if not any(per))
+        return drafts
+
+    @staticmethod
+    def _max_lead(k: int) -> int:
+        # Past the chain now verified: its bonus token and a full next draft, twice over, so a
+        # fully accepted chain finds the next one ready and the drafter seldom pauses.
+        return 2 * (k + 1)
 
     # -- state ----------------------------------------------------------------------------------
     def forget(self, req_ids: Iterable[str]) -> None:
@@ -183,7 +270,8 @@ class SmurfsProposer:
             state = self._states[req_id] = _RequestState(self.global_weights.copy())
         return state
 
-    def _learn(self, step: StepContext, sampled_token_ids: list[list[int]]) -> None:
+    def _learn(self, step: StepContext,
+               sampled_token_ids: list[list[int]]) -> list[StepFeedback]:
         """Score every drafter's last draft against what the target produced."""
         feedback = []
         for req_id, produced in zip(step.req_ids, sampled_token_ids):
@@ -209,6 +297,25 @@ class SmurfsProposer:
         for drafter_stats, weight in zip(self.stats.drafters, self.global_weights.weights):
             drafter_stats.weight = weight
         self.policy.observe(feedback)
+        return feedback
+
+    def _write_trace(self, step: StepContext, sampled_token_ids: list[list[int]],
+                     num_tokens_no_spec: np.ndarray, feedback: list[StepFeedback],
+                     step_s: float, draft_timings: list[DraftTiming]) -> None:
+        """One line of the ``trace_file`` (format: `vllm_smurfs.trace_sim`)."""
+        assert self._trace is not None
+        verified = {f.req_id: f for f in feedback}
+        requests = []
+        for i, (req_id, produced) in enumerate(zip(step.req_ids, sampled_token_ids)):
+            if not produced:
+                continue
+            fb = verified.get(req_id)
+            requests.append(TraceRequest(req_id, int(num_tokens_no_spec[i]) - len(produced),
+                                         fb.num_draft_tokens if fb else 0,
+                                         fb.num_accepted if fb else 0))
+        line = TraceStep(self.stats.steps, time.monotonic(), step_s, step.num_scheduled_tokens,
+                         tuple(requests), tuple(draft_timings)).to_json()
+        self._trace.write(line + "\n")
 
     def _count_proposal(self, voted: list[int], winner: int) -> None:
         if voted:
@@ -221,6 +328,8 @@ class SmurfsProposer:
         for entry, health in zip(out["drafters"], self.worker.health()):
             entry["alive"] = health.alive
             entry["steps_late"] = health.steps_late
+            entry["engine_steps"] = health.steps_answered
+            entry["busy_s"] = round(health.busy_s, 4)
         return out
 
     def _maybe_log(self) -> None:

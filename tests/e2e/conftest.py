@@ -25,14 +25,17 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> TinyFamily:
 
 
 def smurfs_config(family: TinyFamily, **extra) -> dict:
+    """Smurfs with the three drafts, at the fixed lookahead vLLM's draft_model runs use here."""
     return {"method": "smurfs", "num_speculative_tokens": LOOKAHEAD,
-            "drafters": [{"model": d} for d in family.drafts], **extra}
+            "drafters": [{"model": d} for d in family.drafts],
+            "lookahead": {"policy": "fixed"}, **extra}
 
 
 @pytest.fixture(scope="session")
 def greedy_runs(family: TinyFamily):
-    """Cached greedy runs by name: 'none', 'smurfs' (pipelined), 'smurfs-sync',
-    'draft_model-<i>'."""
+    """Cached greedy runs by name: 'none', 'smurfs' (pipelined, fixed lookahead),
+    'smurfs-sync' (synchronous drafting), 'smurfs-adaptive' (pipelined, adaptive lookahead of
+    at least 1), 'draft_model-<i>'."""
 
     @functools.cache
     def get(name: str) -> Result:
@@ -42,6 +45,10 @@ def greedy_runs(family: TinyFamily):
             spec = smurfs_config(family)
         elif name == "smurfs-sync":
             spec = smurfs_config(family, pipeline=False)
+        elif name == "smurfs-adaptive":
+            # At least one token: on tiny models drafting costs more than a target step, and the
+            # controller would rightly switch speculation off, leaving nothing to check.
+            spec = {**smurfs_config(family), "lookahead": {"policy": "adaptive", "min_tokens": 1}}
         else:
             index = int(name.rsplit("-", 1)[1])
             spec = {"method": "draft_model", "model": family.drafts[index],

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.e2e
 # never waits for the hung drafter, so the short runs of the other tests take ~1.5 s in all).
 FAULT_MAX_TOKENS = 200
 HANG_TIMEOUT_S = 1.0
-# Engine calls a drafter answers before its fault: the warm-up takes a few, then it drafts for
-# the measured prompts.
-FAULT_AFTER_CALLS = 12
+# Engine steps (one token per drafting request each) a drafter runs before its fault: the
+# runner's warm-up request takes a dozen, the measured prompts several hundred.
+FAULT_AFTER_STEPS = 60
 
 
 def run_with(family, spec, max_tokens=MAX_TOKENS, env=None):
@@ -58,12 +58,13 @@ def test_drafter_dying_mid_run_is_left_out_and_output_unchanged(family, long_ref
                                                                  pipeline):
     spec = smurfs_config(family, draft_timeout_s=HANG_TIMEOUT_S, pipeline=pipeline)
     result = run_with(family, spec, max_tokens=FAULT_MAX_TOKENS,
-                      env={"SMURFS_DRAFTER_FAULT": f"draft-1={fault}:{FAULT_AFTER_CALLS}"})
+                      env={"SMURFS_DRAFTER_FAULT": f"draft-1={fault}:{FAULT_AFTER_STEPS}"})
     assert result.elapsed_s > 2 * HANG_TIMEOUT_S, "the run ended before a hang could be seen"
     assert divergences(long_reference.token_ids, result.token_ids) == {}
     stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}
     assert stats["draft-1"]["alive"] is False
     assert stats["draft-1"]["drafted_tokens"] > 0  # it did draft in the measured run first
     assert stats["draft-0"]["alive"] and stats["draft-2"]["alive"]
-    assert stats["draft-0"]["drafted_tokens"] > 10 * stats["draft-1"]["drafted_tokens"]
+    # Left out early in the run: it drafted for a fraction of the steps the others drafted for.
+    assert 2 * stats["draft-1"]["drafted_tokens"] < stats["draft-0"]["drafted_tokens"]
     assert result.num_accepted_tokens > 0  # the others kept speculating

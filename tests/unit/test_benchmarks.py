@@ -273,10 +273,12 @@ def synthetic_result() -> dict:
                {"index": 1, "question_id": 2, "category": "qa", "family": "qa", "text": "b",
                 "prompt_token_ids": [9]}]
     reference = {0: [1, 2, 3], 1: [4, 5, 6]}
+    # Schema 2: a served load point is named by its concurrency (`served@c16`, the default
+    # --concurrency), no longer a single `served` (schema 1), and settings.concurrency is a list.
     none2 = {"label": "none@2threads", "name": "none", "k": None, "placement": "2threads",
              "error": None, "loads": {
                  "batch1": _offline({0: _rec(3, 1.0), 1: _rec(3, 1.0)}, reference),
-                 "served": _served(10.0, {0: "x", 1: "y"})}}
+                 "served@c16": _served(10.0, {0: "x", 1: "y"})}}
     none1 = {"label": "none@1thread", "name": "none", "k": None, "placement": "1thread",
              "error": None, "loads": {
                  "batch1": _offline({0: _rec(3, 2.0), 1: _rec(3, 2.0)}, reference)}}
@@ -284,7 +286,7 @@ def synthetic_result() -> dict:
               "error": None, "loads": {
                   "batch1": _offline({0: _rec(3, 0.5, 1, 2, (1, 1)), 1: _rec(3, 0.5, 1, 2, (1, 1))},
                                      {0: [1, 2, 3], 1: [4, 9, 6]}),
-                  "served": _served(25.0, {0: "x", 1: "z"})}}
+                  "served@c16": _served(25.0, {0: "x", 1: "z"})}}
     suffix = {"label": "suffix:4@2threads", "name": "suffix", "k": 4, "placement": "2threads",
               "error": None, "loads": {"batch1": {"status": "error", "error": "exit 1: no module "
                                                   "arctic_inference", "per_prompt": {}}}}
@@ -296,7 +298,7 @@ def synthetic_result() -> dict:
                          "max_tokens": 3, "temperature": 0.0, "chat_template_applied": True,
                          "num_prompts": 2, "prompts_per_family": 1, "quick": True,
                          "baseline": "none@2threads", "loads": ["batch1", "served"],
-                         "concurrency": 16},
+                         "concurrency": [16]},
             "prompts": prompts, "methods": [none2, none1, smurfs, suffix]}
 
 
@@ -313,7 +315,7 @@ def test_summary_speedups_identity_references_and_errors():
     assert batch1["smurfs:4@1thread"]["identity"]["divergences"][0]["position"] == 1
     assert batch1["suffix:4@2threads"]["status"] == "error"
     assert "arctic_inference" in batch1["suffix:4@2threads"]["error"]
-    served = summary["served"]["smurfs:4@1thread"]
+    served = summary["served@c16"]["smurfs:4@1thread"]  # schema 2's name of the served load
     assert served["totals"]["speedup"] == pytest.approx(2.5)
     assert served["totals"]["mean_acceptance_length"] == pytest.approx(2.5)
     assert served["identity"]["reference"] == "none@2threads"  # no none@1thread served
@@ -422,14 +424,289 @@ def test_smurfs_variants_run_side_by_side():
     variants = parse_variants(['sync={"pipeline": false}', 'wait={"draft_wait_s": 0.5}'])
     specs = parse_methods("smurfs:4,smurfs/sync:4", 2, variants)
     assert [s.label for s in specs] == ["smurfs:4@1thread", "smurfs/sync:4@1thread"]
+    # MethodSettings.smurfs_variants became `variants` (any method takes one now).
     settings = MethodSettings(drafts=("/d",), smurfs_extra=(("pipeline", True),),
-                              smurfs_variants=tuple((n, tuple(k.items()))
-                                                    for n, k in variants.items()))
+                              variants=MethodSettings.variants_of(variants))
     assert speculative_config(specs[0], settings, [0, 1])["pipeline"] is True
     assert speculative_config(specs[1], settings, [0, 1])["pipeline"] is False
-    with pytest.raises(ValueError, match="--smurfs-variant 'fast="):
+    # The error names the option as --variant now (--smurfs-variant is its alias).
+    with pytest.raises(ValueError, match="--variant 'fast="):
         parse_methods("smurfs/fast:4", 2, variants)
-    with pytest.raises(ValueError, match="only smurfs"):
-        parse_methods("ngram/sync:4", 2, variants)
+    # Was "only smurfs takes a /VARIANT": every speculative method takes one now, only `none`
+    # (which has no speculative config to merge into) refuses one.
+    assert parse_methods("ngram/sync:4", 2, variants)[0].label == "ngram/sync:4@2threads"
+    with pytest.raises(ValueError, match="'none' takes no /VARIANT"):
+        parse_methods("none/sync", 2, variants)
     with pytest.raises(SystemExit, match="expected NAME="):
         parse_variants(["sync"])
+
+
+# ------------------------------------------------------------------------------------------
+# Variants of any method (--variant NAME=JSON, alias --smurfs-variant)
+
+TABLE = [[1, 1, 6], [2, 8, 4], [9, 256, 2]]
+
+
+def test_variant_option_parses_and_smurfs_variant_is_its_alias():
+    from benchmarks.cli import build_parser, parse_variants
+
+    table_variant = f'table={{"num_speculative_tokens_per_batch_size": {json.dumps(TABLE)}}}'
+    args = build_parser().parse_args(["run", "--target", "/t", "--variant", table_variant,
+                                      "--smurfs-variant", 'sync={"pipeline": false}'])
+    assert parse_variants(args.variant) == {
+        "table": {"num_speculative_tokens_per_batch_size": TABLE}, "sync": {"pipeline": False}}
+    assert build_parser().parse_args(["run", "--target", "/t"]).variant == []
+    for bad, message in [("x={nope", "invalid JSON"), ("x=[1]", "expected NAME="),
+                         ("=1", "expected NAME="), ('a:b={"k": 1}', "letters, digits"),
+                         ('a={"k": 1}', "more than once")]:
+        with pytest.raises(SystemExit, match=message):
+            parse_variants(['a={"k": 0}', bad] if "more than once" in message else [bad])
+
+
+def test_variants_merge_into_draft_model_and_ngram_configs():
+    from benchmarks.cli import parse_variants
+
+    variants = parse_variants([
+        f'table={{"num_speculative_tokens_per_batch_size": {json.dumps(TABLE)}}}',
+        'long={"prompt_lookup_max": 8, "prompt_lookup_min": 3}',
+        'other={"model": "/d1"}'])
+    settings = MethodSettings(drafts=("/d0",), ngram_min=2, ngram_max=4,
+                              variants=MethodSettings.variants_of(variants))
+    specs = parse_methods("draft_model:6,draft_model/table:6,ngram:8,ngram/long:8,"
+                          "draft_model/other:4,ngram/table:4", 2, variants)
+    configs = {s.label: speculative_config(s, settings, [0, 1]) for s in specs}
+    assert configs["draft_model/table:6@2threads"] == {
+        "method": "draft_model", "model": "/d0", "num_speculative_tokens": 6,
+        "num_speculative_tokens_per_batch_size": TABLE}
+    assert "num_speculative_tokens_per_batch_size" not in configs["draft_model:6@2threads"]
+    assert configs["ngram/long:8@2threads"] == {
+        "method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 3,
+        "prompt_lookup_max": 8}  # replaced, not added beside
+    assert configs["ngram:8@2threads"]["prompt_lookup_max"] == 4
+    assert configs["draft_model/other:4@2threads"]["model"] == "/d1"
+    # One variant, several methods: vLLM's batch-size table applies to ngram too.
+    assert configs["ngram/table:4@2threads"]["num_speculative_tokens_per_batch_size"] == TABLE
+    # The merged values are copies: editing a config does not edit the variant.
+    configs["draft_model/table:6@2threads"]["num_speculative_tokens_per_batch_size"][0][2] = 1
+    assert dict(settings.variants)["table"][0][1][0] == [1, 1, 6]
+
+
+def test_a_variant_may_not_contradict_the_method_label():
+    from benchmarks.cli import parse_variants
+
+    variants = parse_variants(['k8={"num_speculative_tokens": 8}', 'same={"method": "ngram"}',
+                               'eagle={"method": "eagle"}'])
+    settings = MethodSettings(drafts=("/d",), variants=MethodSettings.variants_of(variants))
+    spec = parse_method("ngram/k8:4", 2, variants)
+    with pytest.raises(ValueError, match="num_speculative_tokens=8 but the label says 4"):
+        speculative_config(spec, settings, [0, 1])
+    assert speculative_config(parse_method("ngram/k8:8", 2, variants), settings, [0, 1])[
+        "num_speculative_tokens"] == 8  # agreeing with K is harmless
+    assert speculative_config(parse_method("ngram/same:4", 2, variants), settings,
+                              [0, 1])["method"] == "ngram"
+    with pytest.raises(ValueError, match="method='eagle'"):
+        speculative_config(parse_method("draft_model/eagle:4", 2, variants), settings, [0, 1])
+
+
+# ------------------------------------------------------------------------------------------
+# Several served load points (--concurrency 1,4,16)
+
+
+def test_concurrency_list_parsing():
+    import argparse
+
+    from benchmarks.cli import build_parser, parse_concurrencies
+    from benchmarks.summary import load_points, served_concurrency, served_load
+
+    assert parse_concurrencies("1,4,16,32") == [1, 4, 16, 32]
+    assert parse_concurrencies(" 16 , 1 ") == [16, 1]  # the order given is the order run
+    assert parse_concurrencies("8") == [8]
+    for bad in ("", "0", "4,x", "-1", "2.5", "4,4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_concurrencies(bad)
+    parser = build_parser()
+    assert parser.parse_args(["run", "--target", "/t"]).concurrency == [16]  # the default
+    assert parser.parse_args(["run", "--target", "/t", "--concurrency", "1,4"]).concurrency == \
+        [1, 4]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--target", "/t", "--concurrency", "4,0"])
+    assert served_load(4) == "served@c4" and served_concurrency("served@c4") == 4
+    assert served_concurrency("batch1") is None
+    assert load_points({"loads": ["served", "batch1", "batched"], "concurrency": [4, 1]}) == \
+        ["batch1", "batched", "served@c4", "served@c1"]
+    assert load_points({"loads": ["batch1"], "concurrency": [4, 1]}) == ["batch1"]
+    assert load_points({"loads": ["served"], "concurrency": 16}) == ["served@c16"]  # schema 1
+
+
+def multi_load_result() -> dict:
+    """synthetic_result served at concurrency 1 and 4: the baseline is 10 tok/s at c1 and
+    20 tok/s at c4; smurfs 25 at c1 and 30 at c4; suffix fails at c1 and runs at c4."""
+    result = synthetic_result()
+    result["settings"]["concurrency"] = [1, 4]
+    none2, _none1, smurfs, suffix = result["methods"]
+    del none2["loads"]["served@c16"], smurfs["loads"]["served@c16"]
+    none2["loads"]["served@c1"] = _served(10.0, {0: "x", 1: "y"})
+    none2["loads"]["served@c4"] = _served(20.0, {0: "x", 1: "w"})  # c4's own reference texts
+    smurfs["loads"]["served@c1"] = _served(25.0, {0: "x", 1: "z"})
+    smurfs["loads"]["served@c4"] = _served(30.0, {0: "x", 1: "w"})
+    suffix["loads"]["served@c1"] = {"status": "error", "error": "vllm bench serve exit 1: boom"}
+    suffix["loads"]["served@c4"] = _served(40.0, {0: "x", 1: "y"})
+    return result
+
+
+def test_served_summary_per_load_point_against_the_baseline_at_the_same_one():
+    result = multi_load_result()
+    summary = summarize(json.loads(json.dumps(result)))
+    assert [k for k in summary if k != "baseline"] == ["batch1", "served@c1", "served@c4"]
+    c1, c4 = summary["served@c1"], summary["served@c4"]
+    assert c1["smurfs:4@1thread"]["totals"]["speedup"] == pytest.approx(2.5)  # 25 / 10
+    assert c4["smurfs:4@1thread"]["totals"]["speedup"] == pytest.approx(1.5)  # 30 / 20, not 3.0
+    assert c4["none@2threads"]["totals"]["speedup"] == pytest.approx(1.0)
+    # per family too: each prompt's rate over the baseline's at the same load point
+    assert c4["smurfs:4@1thread"]["families"][OVERALL]["speedup"] == pytest.approx(1.0)
+    # losslessness: c4's texts against the baseline's c4 texts (c1 differs on prompt 1)
+    assert c1["smurfs:4@1thread"]["identity"]["identical"] == 1
+    assert c4["smurfs:4@1thread"]["identity"]["identical"] == 2
+    assert c4["suffix:4@2threads"]["identity"] == {**c4["suffix:4@2threads"]["identity"],
+                                                   "reference": "none@2threads", "identical": 1}
+    # a failed load point keeps its error; the next one has its figures
+    assert c1["suffix:4@2threads"]["status"] == "error"
+    assert "boom" in c1["suffix:4@2threads"]["error"] and "totals" not in c1["suffix:4@2threads"]
+    assert c4["suffix:4@2threads"]["totals"]["speedup"] == pytest.approx(2.0)
+    assert c1["none@1thread"]["status"] == "not run"
+
+
+def test_report_has_one_section_and_one_plot_per_served_load_point(tmp_path):
+    result = multi_load_result()
+    result["summary"] = summarize(result)
+    text = render_markdown(result)
+    assert "## Served at concurrency 1 " in text and "## Served at concurrency 4 " in text
+    assert text.index("concurrency 1 ") < text.index("concurrency 4 ")
+    assert "`served@c4`: at most 4 requests in flight" in text
+    assert "`served@c1`: at most 1 request in flight" in text
+    assert text.count("| smurfs:4@1thread | served |") == 1  # one server for both load points
+    assert "## Served across load points" in text
+    assert "| smurfs:4@1thread | 25.00 / 2.50x | 30.00 / 1.50x |" in text
+    assert "| suffix:4@2threads | - / - | 40.00 / 2.00x |" in text
+    pytest.importorskip("matplotlib")
+    from benchmarks.report import write_plots
+
+    written = {os.path.basename(p) for p in write_plots(result, str(tmp_path))}
+    assert {"speedup_served_c1.png", "speedup_served_c4.png", "speedup_batch1.png"} <= written
+
+
+def test_one_server_per_method_runs_every_concurrency_and_survives_a_failing_one(
+        tmp_path, monkeypatch):
+    """run_served without vLLM: a fake server and a fake `vllm bench serve` that fails at c4."""
+    import subprocess
+
+    from benchmarks import run as run_module
+    from benchmarks.spec_bench import Prompt
+
+    started, benched = [], []
+
+    class FakeServer:
+        pid, returncode = 12345, None
+
+        def poll(self):
+            return None
+
+    class FakeSampler:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def watch(self, pid):
+            pass
+
+        def report(self):
+            return [{"name": "vllm", "threads": 4, "cpus_allowed": ["0-1"], "cpu_s": 9.0,
+                     "wall_s": 3.0}]
+
+    def fake_run(cmd, **kwargs):
+        concurrency = int(cmd[cmd.index("--max-concurrency") + 1])
+        benched.append(concurrency)
+        if concurrency == 4:
+            return subprocess.CompletedProcess(cmd, 1)
+        out = os.path.join(cmd[cmd.index("--result-dir") + 1],
+                           cmd[cmd.index("--result-filename") + 1])
+        with open(out, "w") as f:
+            json.dump({"output_lens": [3, 3], "ttfts": [0.1, 0.1], "itls": [[0.1], [0.1]],
+                       "latencies": [0.3, 0.3], "generated_texts": ["a", "b"], "errors": ["", ""],
+                       "output_throughput": float(concurrency),
+                       "spec_decode_num_drafts": concurrency}, f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(run_module.subprocess, "Popen",
+                        lambda cmd, **k: started.append(cmd) or FakeServer())
+    monkeypatch.setattr(run_module.subprocess, "run", fake_run)
+    monkeypatch.setattr(run_module, "PlacementSampler", FakeSampler)
+    monkeypatch.setattr(run_module, "wait_until_healthy", lambda *a: None)
+    warmed = []
+    monkeypatch.setattr(run_module, "warm_up", lambda *a: warmed.append(1))
+    monkeypatch.setattr(run_module, "stop", lambda proc: None)
+    settings = run_module.RunSettings(target="/t", drafts=[], dataset="/q", methods="none",
+                                      out_dir=str(tmp_path), concurrency=[1, 4, 16],
+                                      max_tokens=3)
+    prompts = [Prompt(0, 1, "qa", "qa", "a"), Prompt(1, 2, "qa", "qa", "b")]
+    entries = run_module.run_served(parse_method("none", 2), None, settings, prompts, [0, 1],
+                                    str(tmp_path), 60.0, "/s.jsonl", "/r.jsonl")
+    assert len(started) == 1 and len(warmed) == 1  # one server, warmed up once
+    assert benched == [1, 4, 16]  # every concurrency, in the order given, c16 after c4 failed
+    assert list(entries) == ["served@c1", "served@c4", "served@c16"]
+    c1, c4, c16 = entries.values()
+    assert c1["status"] == c16["status"] == "ok" and c4["status"] == "error"
+    assert "vllm bench serve exit 1" in c4["error"] and c4["bench_command"]
+    assert c16["totals"]["output_throughput"] == 16.0 and c16["concurrency"] == 16
+    assert c16["totals"]["spec_decode_num_drafts"] == 16  # each run's own counters
+    assert c1["bench_log"].endswith("bench-c1.log") and c1["log"] == c16["log"]
+    assert c1["server_loads"] == ["served@c1", "served@c4", "served@c16"]
+
+
+def test_compare_over_several_load_points():
+    a = multi_load_result()  # served@c1, served@c4
+    a["summary"] = summarize(a)
+    b = copy.deepcopy(multi_load_result())
+    b["settings"]["concurrency"] = [4, 16]
+    for method in b["methods"]:
+        loads = method["loads"]
+        loads.pop("served@c1", None)
+        if "served@c4" in loads:
+            loads["served@c16"] = copy.deepcopy(loads["served@c4"])
+    b["methods"][2]["loads"]["served@c4"]["totals"]["output_throughput"] = 60.0  # smurfs
+    b["summary"] = summarize(b)
+    text = compare(a, b)
+    sections = [line for line in text.splitlines() if line.startswith("## ")]
+    assert sections == ["## batch1 (overall)", "## served@c1 (overall)",
+                        "## served@c4 (overall)", "## served@c16 (overall)"]
+    c4 = text[text.index("## served@c4"):text.index("## served@c16")]
+    # tok/s 30 -> 60, speedup over the baseline at c4: 1.5 -> 3.0
+    assert "| smurfs:4@1thread | 30.00 | 60.00 | 2.00x | 1.50 | 3.00 | 2.00x |" in c4
+    c1 = text[text.index("## served@c1"):text.index("## served@c4")]
+    assert "`served@c1` is in run A only." in c1
+    assert "| smurfs:4@1thread | 25.00 | - | - |" in c1
+    assert "`served@c16` is in run B only." in text[text.index("## served@c16"):]
+
+
+def test_compare_reads_a_schema_1_result_as_its_concurrency():
+    from benchmarks.compare import upgrade
+
+    new = synthetic_result()  # served@c16
+    new["summary"] = summarize(new)
+    old = copy.deepcopy(new)
+    old["schema_version"], old["settings"]["concurrency"] = 1, 16
+    for method in old["methods"]:
+        if "served@c16" in method["loads"]:
+            method["loads"]["served"] = method["loads"].pop("served@c16")
+    old["summary"]["served"] = old["summary"].pop("served@c16")
+    upgraded = upgrade(old)
+    assert "served@c16" in upgraded["summary"] and "served" in old["summary"]  # old untouched
+    assert "served@c16" in upgraded["methods"][0]["loads"]
+    text = compare(old, new)
+    c16 = text[text.index("## served@c16"):]
+    assert "| smurfs:4@1thread | 25.00 | 25.00 | 1.00x |" in c16 and "only" not in c16

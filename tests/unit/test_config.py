@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from vllm_smurfs.config import (
+    LookaheadConfig,
     ModelDrafterConfig,
     NgramDrafterConfig,
     SmurfsConfig,
@@ -50,7 +51,7 @@ def test_user_config_from_file_or_inline(tmp_path):
 
 
 @pytest.mark.parametrize("model_cls", [SmurfsConfig, ModelDrafterConfig, NgramDrafterConfig,
-                                       VoteConfig])
+                                       VoteConfig, LookaheadConfig])
 def test_readme_documents_every_key(model_cls):
     documented = set(re.findall(r"^\| `(\w+)` \|", README.read_text(), re.M))
     missing = set(model_cls.model_fields) - documented

@@ -1,4 +1,8 @@
-"""ModelDrafterClient's protocol logic against a scripted server end of a pipe (no process)."""
+"""The streaming drafter's two ends, without processes or engines.
+
+`PathDrafter` (the server's state) runs on a scripted engine whose "model" continues any text by
+a fixed rule; `ModelDrafterClient` (the proposer's end) talks to a scripted server over a pipe.
+"""
 
 import time
 from multiprocessing import Pipe
@@ -7,9 +11,97 @@ import numpy as np
 import pytest
 
 from vllm_smurfs.config import ModelDrafterConfig
+from vllm_smurfs.drafter_server import PathDrafter
 from vllm_smurfs.multi_draft_worker import MAX_MESSAGES_IN_FLIGHT, ModelDrafterClient
 
 
+def ctx(*tokens):
+    return np.array(tokens, dtype=np.int32)
+
+
+class ScriptedEngine:
+    """Greedy "model": the next token is the previous one plus one."""
+
+    def __init__(self):
+        self.live: dict[str, list] = {}  # engine_id -> [tokens so far, tokens left]
+        self.added: list[tuple[str, list[int], int]] = []
+        self.aborted: list[str] = []
+
+    def add(self, engine_id, prompt, max_tokens):
+        self.added.append((engine_id, list(prompt), max_tokens))
+        self.live[engine_id] = [list(prompt), max_tokens]
+
+    def abort(self, engine_id):
+        self.aborted.append(engine_id)
+        self.live.pop(engine_id)
+
+    def busy(self):
+        return bool(self.live)
+
+    def step(self):
+        moved = []
+        for engine_id, state in list(self.live.items()):
+            tokens, left = state
+            tokens.append(tokens[-1] + 1)
+            state[1] = left - 1
+            moved.append((engine_id, [tokens[-1]], state[1] == 0))
+            if state[1] == 0:
+                del self.live[engine_id]
+        return moved
+
+
+@pytest.fixture
+def drafter():
+    return PathDrafter(ScriptedEngine(), max_model_len=64)
+
+
+def run(drafter, steps):
+    for _ in range(steps):
+        drafter.step()
+    return drafter.take_records()
+
+
+def test_path_streams_and_pauses_at_the_lead(drafter):
+    drafter.track("r", ctx(1, 2), max_lead=4)
+    assert drafter.engine.added == [("r#1", [1, 2], 4)]
+    records = run(drafter, 6)
+    assert records[0][:2] == ("r", "reset") and records[0][2].tolist() == [1, 2]
+    assert [(p[0], p[1].tolist()) for _, kind, p in records if kind == "extend"] == [
+        (2, [3]), (3, [4]), (4, [5]), (5, [6])]
+    assert records[-1] == ("r", "stop", None)  # 4 tokens ahead: paused
+    assert drafter.tracks["r"].path.tolist() == [1, 2, 3, 4, 5, 6]
+    assert not drafter.engine.busy()
+
+
+def test_accepted_text_keeps_the_path_and_resumes_at_half_lead(drafter):
+    drafter.track("r", ctx(1, 2), max_lead=4)
+    run(drafter, 4)
+    drafter.track("r", ctx(1, 2, 3), max_lead=4)  # lead 3 of 4: not yet
+    assert len(drafter.engine.added) == 1 and drafter.take_records() == []
+    drafter.track("r", ctx(1, 2, 3, 4), max_lead=4)  # lead 2: resume from the path's end
+    assert drafter.engine.added[-1] == ("r#2", [1, 2, 3, 4, 5, 6], 2)
+    assert drafter.take_records() == [("r", "resume", None)]
+
+
+def test_text_leaving_the_path_restarts_it(drafter):
+    drafter.track("r", ctx(1, 2), max_lead=8)
+    run(drafter, 2)  # path 1 2 3 4, still drafting
+    drafter.track("r", ctx(1, 2, 3, 9), max_lead=8)  # the target took 9, not 4
+    assert drafter.engine.aborted == ["r#1"]
+    assert drafter.engine.added[-1] == ("r#2", [1, 2, 3, 9], 8)
+    run(drafter, 1)
+    assert drafter.tracks["r"].path.tolist() == [1, 2, 3, 9, 10]
+    drafter.forget("r")
+    assert drafter.engine.aborted == ["r#1", "r#2"] and "r" not in drafter.tracks
+
+
+def test_no_room_left_means_no_request(drafter):
+    drafter.track("r", ctx(*range(64)), max_lead=4)
+    assert drafter.engine.added == []
+    assert [kind for _, kind, _ in drafter.take_records()] == ["reset", "stop"]
+
+
+# -- the client -------------------------------------------------------------------------------
 @pytest.fixture
 def client_and_server():
     client = ModelDrafterClient(ModelDrafterConfig(model="/m", name="m"), dtype="float32",
@@ -20,80 +112,67 @@ def client_and_server():
     client._conn = None  # nothing to shut down: there is no process
 
 
-def ctx(*tokens):
-    return np.array(tokens, dtype=np.int32)
-
-
-def answer(server, drafts):
-    """Answer every job the server has received with drafts[req_id]."""
-    taken, jobs = 0, []
+def taken(server):
+    messages = []
     while server.poll(0):
-        message = server.recv()
-        taken += 1
-        if message[0] == "draft":
-            jobs.extend(message[1])
-    server.send(("drafts", taken, [(job_id, drafts[req]) for job_id, req, _, _ in jobs]))
-    return jobs
+        messages.append(server.recv())
+    return messages
 
 
-def test_paths_serve_every_context_they_extend(client_and_server):
+def test_client_mirrors_the_path_and_serves_contexts_it_extends(client_and_server):
     client, server = client_and_server
-    (job,) = client.submit([("r", ctx(1, 2), 3)])
-    jobs = answer(server, {"r": [5, 6, 7]})
-    assert [(j[1], j[2], j[3]) for j in jobs] == [("r", [1, 2], 3)]
-    assert client.wait_for([job], time.monotonic() + 1)
-    assert client.draft_for("r", ctx(1, 2), 2) == [5, 6]
-    assert client.draft_for("r", ctx(1, 2, 5), 4) == [6, 7]  # one accepted token later
-    assert client.draft_for("r", ctx(1, 2, 5, 6, 7), 2) is None  # path used up
-    assert client.draft_for("r", ctx(1, 2, 9), 2) is None  # the target went another way
-    assert client.draft_for("other", ctx(1, 2), 2) is None
-
-
-def test_older_paths_serve_branches_and_superseded_jobs_are_ignored(client_and_server):
-    client, server = client_and_server
-    client.submit([("r", ctx(1), 2)])
-    answer(server, {"r": [8, 9]})
-    client.poll()
-    client.submit([("r", ctx(1, 7), 3)])  # drafted ahead past another drafter's chain [7]
-    answer(server, {"r": [4, 4, 4]})
-    client.poll()
-    assert client.draft_for("r", ctx(1, 7), 3) == [4, 4, 4]
-    # The target rejected 7 and produced 8: this drafter's own, older path serves that branch.
-    assert client.draft_for("r", ctx(1, 8), 3) == [9]
-    first = client.submit([("q", ctx(3), 2)])
-    second = client.submit([("q", ctx(3, 3), 2)])  # supersedes the first job
-    server.send(("drafts", 0, [(first[0], [7, 7])]))  # a stale answer to the first
-    client.poll()
-    assert client.draft_for("q", ctx(3), 2) is None
-    answer(server, {"q": [6, 6]})
-    assert client.wait_for(second, time.monotonic() + 1)
-    assert client.draft_for("q", ctx(3, 3), 2) == [6, 6]
+    assert client.track([("r", ctx(1, 2), 4)])
+    (message,) = taken(server)
+    assert message[0] == "track" and message[1][0][0] == "r"
+    assert client.is_drafting("r", ctx(1, 2))  # not acknowledged yet: a draft may come
+    server.send(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3, 4)))],
+                 [(1, 0.05)]))
+    client.poll(1.0)
+    assert client.draft_for("r", ctx(1, 2), 4) == [3, 4]
+    assert client.draft_for("r", ctx(1, 2, 3), 4) == [4]  # one accepted token later
+    assert client.draft_for("r", ctx(1, 2, 9), 4) == []  # the target went another way
+    assert client.is_drafting("r", ctx(1, 2, 3)) and not client.is_drafting("r", ctx(1, 2, 9))
+    server.send(("update", 0, [("r", "extend", (4, ctx(5))), ("r", "stop", None)], []))
+    client.poll(1.0)
+    assert client.draft_for("r", ctx(1, 2, 3), 4) == [4, 5]
+    assert not client.is_drafting("r", ctx(1, 2, 3))
+    assert client.step_timings == [(1, 0.05)] and client.health.busy_s == pytest.approx(0.05)
 
 
 def test_forget_drops_paths_and_tells_the_server(client_and_server):
     client, server = client_and_server
-    client.submit([("r", ctx(1), 2)])
-    answer(server, {"r": [2, 3]})
-    client.poll()
+    server.send(("update", 0, [("r", "reset", ctx(1)), ("r", "extend", (1, ctx(2, 3)))], []))
+    client.poll(1.0)
     client.forget(["r"])
-    assert client.draft_for("r", ctx(1), 2) is None
-    assert server.recv() == ("forget", ["r"])
+    assert client.draft_for("r", ctx(1), 2) == []
+    assert taken(server) == [("forget", ["r"])]
 
 
 def test_a_silent_drafter_is_skipped_then_left_out(client_and_server):
-    client, server = client_and_server
-    sent = [client.submit([(f"r{i}", ctx(1, i), 2)]) for i in range(MAX_MESSAGES_IN_FLIGHT)]
-    assert all(sent)
-    assert client.submit([("r", ctx(2), 2)]) == []  # too much unanswered: not asked
+    client, _ = client_and_server
+    for i in range(MAX_MESSAGES_IN_FLIGHT):
+        assert client.track([(f"r{i}", ctx(1, i), 2)])
+    assert not client.track([("r", ctx(2), 2)])  # too much unanswered: not sent
     assert client.health.steps_skipped_busy == 1 and client.health.alive
-    assert not client.wait_for(sent[0], time.monotonic() + 0.3)  # past hang_timeout_s
+    time.sleep(0.25)  # past hang_timeout_s, with answers owed
+    client.poll()
     assert not client.health.alive and "no answer" in client.health.last_error
-    assert client.submit([("r", ctx(3), 2)]) == []
+    assert not client.track([("r", ctx(3), 2)])
+
+
+def test_an_idle_drafter_is_never_declared_hung(client_and_server):
+    client, server = client_and_server
+    client.track([("r", ctx(1), 2)])
+    server.send(("update", 1, [("r", "reset", ctx(1)), ("r", "stop", None)], []))
+    client.poll(1.0)
+    time.sleep(0.25)  # silent, but it owes nothing
+    client.poll()
+    assert client.health.alive
 
 
 def test_a_closed_connection_leaves_the_drafter_out(client_and_server):
     client, server = client_and_server
-    jobs = client.submit([("r", ctx(1), 2)])
+    client.track([("r", ctx(1), 2)])
     server.close()
-    assert not client.wait_for(jobs, time.monotonic() + 1)
+    client.poll(0.5)
     assert not client.health.alive and "connection lost" in client.health.last_error

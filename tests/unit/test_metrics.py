@@ -7,10 +7,13 @@ def snapshot(steps, drafts, accepted, d0, d1):
     def drafter(name, wins, drafted, acc, weight):
         return {"name": name, "vote_wins": wins, "drafted_tokens": drafted,
                 "accepted_tokens": acc, "acceptance": acc / drafted if drafted else 0.0,
-                "weight": weight, "alive": True, "steps_late": 0}
+                "weight": weight, "alive": True, "steps_late": 0, "engine_steps": 2 * steps,
+                "busy_s": 0.05 * steps}
     return {"steps": steps, "proposed_drafts": drafts, "verified_drafts": drafts,
             "verified_draft_tokens": 4 * drafts, "accepted_tokens": accepted,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "requests_drafted": drafts + 1, "requests_without_draft": 1,
+            "target_step_s": 0.2 * steps, "wait_s": 0.01 * steps, "proposer_s": 0.02 * steps,
             "drafters": [drafter("a", *d0), drafter("b", *d1)]}
 
 
@@ -21,6 +24,9 @@ def test_counters_are_subtracted_and_ratios_recomputed():
     assert delta["steps"] == 7 and delta["verified_drafts"] == 4
     assert delta["accepted_tokens"] == 4 and delta["verified_draft_tokens"] == 16
     assert delta["mean_acceptance_length"] == 2.0
+    assert delta["target_step_s"] == 1.4 and delta["requests_drafted"] == 4
+    assert delta["drafters"][0]["engine_steps"] == 14
+    assert delta["drafters"][0]["busy_s"] == 0.35
     a, b = delta["drafters"]
     assert (a["vote_wins"], a["drafted_tokens"], a["accepted_tokens"]) == (3, 16, 7)
     assert a["acceptance"] == round(7 / 16, 4)

@@ -29,13 +29,25 @@ class ScriptedWorker:
     def start(self):
         pass
 
-    def draft(self, requests, wait_s):
+    def poll(self):
+        pass
+
+    def late(self, requests):
+        return []
+
+    def wait(self, requests, timeout_s):
+        return True
+
+    def ready(self, requests):
         self.asked.append([(r.req_id, len(r.context), r.k) for r in requests])
         return [[self.script[d](r.context, r.k) for d in range(len(self.names))]
                 for r in requests]
 
-    def draft_ahead(self, requests, voted):
-        self.ahead.append([(r.req_id, chain) for r, chain in zip(requests, voted)])
+    def track(self, requests, chains, max_lead):
+        self.ahead.append([(r.req_id, list(chain)) for r, chain in zip(requests, chains)])
+
+    def step_timings(self):
+        return []
 
     def forget(self, req_ids):
         self.forgotten.extend(req_ids)
@@ -44,11 +56,11 @@ class ScriptedWorker:
         return [SimpleNamespace(alive=True, steps_late=0) for _ in self.names]
 
 
-@pytest.fixture
-def proposer(monkeypatch):
+def make_proposer(monkeypatch, **extra):
     monkeypatch.setattr(proposer_module, "MultiDraftWorker", ScriptedWorker)
     smurfs = {"method": "smurfs", "num_speculative_tokens": K, "log_stats_interval_s": 0,
-              "drafters": [{"model": "/a"}, {"model": "/b"}]}
+              "lookahead": {"policy": "fixed"},
+              "drafters": [{"model": "/a"}, {"model": "/b"}], **extra}
     vllm_config = SimpleNamespace(
         additional_config={"smurfs": smurfs},
         model_config=SimpleNamespace(max_model_len=64, dtype="float32",
@@ -57,6 +69,11 @@ def proposer(monkeypatch):
     p = SmurfsProposer(vllm_config)
     p.load_model(None)
     return p
+
+
+@pytest.fixture
+def proposer(monkeypatch):
+    return make_proposer(monkeypatch)
 
 
 def step(p, req_ids, sampled, lengths, finished=(), restarted=(), max_spec=K):
@@ -103,3 +120,17 @@ def test_finished_and_restarted_requests_are_freed(proposer):
 def test_pipelined_proposer_drafts_ahead_past_the_voted_chain(proposer):
     out = step(proposer, ["a", "b"], [[], [3]], [10, 12])
     assert proposer.worker.ahead[-1] == [("b", out[1])]
+
+
+def test_trace_file_records_verified_drafts_for_the_simulator(monkeypatch, tmp_path):
+    from vllm_smurfs.trace_sim import read_trace
+
+    path = tmp_path / "trace.jsonl"
+    p = make_proposer(monkeypatch, trace_file=str(path))
+    step(p, ["a", "b"], [[5], [6]], [10, 20])  # first step: no timing yet, not traced
+    # The target accepted 7, 7 of a's draft [7, 7, 7, 7] (then produced 1); b had none accepted.
+    step(p, ["a", "b"], [[7, 7, 1], [2]], [13, 21])
+    (traced,) = read_trace(path)
+    assert traced.seconds >= 0 and traced.step == 1
+    assert [(r.req_id, r.position, r.k, r.accepted) for r in traced.requests] == [
+        ("a", 10, 4, 2), ("b", 20, 4, 0)]

@@ -4,7 +4,8 @@ Why: vLLM calls a ``custom_class`` proposer with token arrays only: no request i
 requests finish), no finished/preempted requests, no per-step lookahead. Smurfs keeps drafter
 state, vote weights and the previous draft per request, so it needs all of these.
 How: before vLLM's own body runs, hand the proposer a `StepContext` built from
-``input_batch.req_ids`` and the scheduler output. The CPU runner inherits this method.
+``input_batch.req_ids`` and the scheduler output (lifecycle events, lookahead cap, drafts
+verified, tokens computed). The CPU runner inherits this method.
 When it can go: when vLLM passes request ids and lifecycle events to custom proposers.
 """
 
@@ -31,6 +32,7 @@ def _propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
                 ),
                 max_spec_tokens=scheduler_output.num_spec_tokens_to_schedule,
                 verified_drafts=scheduler_output.scheduled_spec_decode_tokens,
+                num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             )
         )
     return original(TARGET, NAME)(self, scheduler_output, *args, **kwargs)
