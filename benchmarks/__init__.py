@@ -7,4 +7,6 @@ See benchmarks/README.md. Every method runs in its own fresh process on the same
 settings; one JSON per run holds provenance, settings, all raw per-prompt figures and the summary.
 """
 
-SCHEMA_VERSION = 1
+#: 2: served load points are `served@c<N>`, one per --concurrency value (1: a single `served`,
+#: concurrency an int); `settings.variants` replaces `settings.smurfs_variants`. `compare` reads 1.
+SCHEMA_VERSION = 2

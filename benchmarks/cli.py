@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 
 from benchmarks.provenance import REPO_ROOT
@@ -49,8 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="bfloat16",
                      help="float32 makes greedy identity exact; bf16 flips near-ties")
     run.add_argument("--loads", default="batch1,served",
-                     help="load points among batch1, batched, served")
-    run.add_argument("--concurrency", type=int, default=16, help="requests in flight (served)")
+                     help="load points among batch1, batched, served (served: one per "
+                          "--concurrency value)")
+    run.add_argument("--concurrency", type=parse_concurrencies, default="16",
+                     help="served: requests in flight, comma-separated (e.g. 1,4,16,32): one "
+                          "server per method, one `vllm bench serve` per value, in this order, "
+                          "recorded as load points served@c<N>")
     run.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--no-chat-template", action="store_true",
@@ -61,9 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ngram-max", type=int, default=4, help="vLLM ngram and Smurfs' voter")
     run.add_argument("--smurfs-extra", type=json.loads, default={},
                      help="JSON object merged into the Smurfs speculative config")
-    run.add_argument("--smurfs-variant", action="append", default=[], metavar="NAME=JSON",
-                     help="a named set of extra Smurfs config keys, run as smurfs/NAME:K; "
-                          "repeatable (e.g. sync='{\"pipeline\": false}')")
+    run.add_argument("--variant", "--smurfs-variant", dest="variant", action="append",
+                     default=[], metavar="NAME=JSON",
+                     help="a named JSON object merged into a method's speculative config, run "
+                          "as METHOD/NAME:K with any speculative method (draft_model/table:6, "
+                          "ngram/long:8, smurfs/sync:4); repeatable; --smurfs-variant is an "
+                          "alias kept from when only Smurfs had variants (e.g. "
+                          "sync='{\"pipeline\": false}')")
     run.add_argument("--no-smurfs-ngram", action="store_true",
                      help="Smurfs without the n-gram voter")
     run.add_argument("--method-timeout-s", type=float, default=None,
@@ -82,18 +91,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_concurrencies(text: str) -> list[int]:
+    """`1,4,16` of --concurrency into [1, 4, 16] (order kept: the served runs go in it)."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected comma-separated request counts, e.g. 1,4,16")
+    values = []
+    for part in parts:
+        if not part.isdigit() or int(part) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a request count >= 1 "
+                                             "(expected e.g. 1,4,16)")
+        values.append(int(part))
+    duplicates = sorted({v for v in values if values.count(v) > 1})
+    if duplicates:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(str, duplicates))} given more than once")
+    return values
+
+
+VARIANT_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # as parse_method reads NAME/VARIANT
+
+
 def parse_variants(items: list[str]) -> dict[str, dict]:
-    """`NAME=JSON` items of --smurfs-variant into {name: config keys}."""
+    """`NAME=JSON` items of --variant (alias --smurfs-variant) into {name: config keys}."""
     variants: dict[str, dict] = {}
     for item in items:
         name, sep, text = item.partition("=")
         try:
             keys = json.loads(text) if sep else None
         except json.JSONDecodeError as exc:
-            raise SystemExit(f"--smurfs-variant {item!r}: invalid JSON ({exc})") from None
+            raise SystemExit(f"--variant {item!r}: invalid JSON ({exc})") from None
         if not name or not isinstance(keys, dict):
-            raise SystemExit(f"--smurfs-variant {item!r}: expected NAME={{JSON object}}, "
+            raise SystemExit(f"--variant {item!r}: expected NAME={{JSON object}}, "
                              "e.g. sync='{\"pipeline\": false}'")
+        if not VARIANT_NAME.fullmatch(name):
+            raise SystemExit(f"--variant {item!r}: the name may hold letters, digits, '_', '.', "
+                             "'-' only")
+        if name in variants:
+            raise SystemExit(f"--variant {name!r} is defined more than once")
         variants[name] = keys
     return variants
 
@@ -130,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=args.temperature, seed=args.seed, chat=not args.no_chat_template,
         kv_cache_gib=args.kv_cache_gib, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         smurfs_extra=args.smurfs_extra, smurfs_ngram_voter=not args.no_smurfs_ngram,
-        smurfs_variants=parse_variants(args.smurfs_variant),
+        variants=parse_variants(args.variant),
         method_timeout_s=args.method_timeout_s, margins=not args.no_margins,
         plots=not args.no_plots)
     run(settings, argv)

@@ -3,11 +3,12 @@
 A method is written `NAME[/VARIANT][:K][@PLACEMENT]`:
 
     none@2threads  ngram:4  draft_model:2  draft_model:6@1thread  suffix:4  smurfs:4@1thread
-    smurfs/sync:4  (with --smurfs-variant 'sync={"pipeline": false}')
+    draft_model/table:6  ngram/long:8  smurfs/sync:4   (variants defined with --variant)
 
 NAME is one of METHOD_NAMES; K (num_speculative_tokens) is required for every method but `none`.
-VARIANT (Smurfs only) names a set of extra Smurfs configuration keys, so that several Smurfs
-variants run side by side in one run.
+VARIANT (any method but `none`) names a JSON object given by `--variant NAME=JSON` (alias
+`--smurfs-variant`) whose keys are merged into the method's speculative config (top-level keys
+added or replaced), so that several variants of a method run side by side in one run.
 PLACEMENT says how many compute threads the target gets, on which cores (the first N cores this
 process may use); `auto` leaves vLLM's own choice. Defaults give every method its best placement
 on a small machine: single-process methods get all cores; Smurfs gives the target all cores but
@@ -16,6 +17,7 @@ one and pins its model drafters to the rest (no spare core: drafters share the t
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from collections.abc import Iterable
@@ -95,7 +97,7 @@ class MethodSpec:
     name: str
     k: int | None
     placement: Placement
-    variant: str | None = None  # Smurfs only: a name given by --smurfs-variant
+    variant: str | None = None  # a name given by --variant (any method but none)
 
     @property
     def label(self) -> str:
@@ -113,12 +115,13 @@ def parse_method(text: str, num_cpus: int, variants: Iterable[str] = ()) -> Meth
     if name not in METHOD_NAMES:
         raise ValueError(f"method {text!r}: unknown name {name!r}; expected one of "
                          f"{', '.join(METHOD_NAMES)}")
-    if variant is not None and name != "smurfs":
-        raise ValueError(f"method {text!r}: only smurfs takes a /VARIANT")
+    if variant is not None and name == "none":
+        raise ValueError(f"method {text!r}: 'none' takes no /VARIANT (it has no speculative "
+                         "config to merge one into)")
     variants = list(variants)
     if variant is not None and variant not in variants:
         raise ValueError(f"method {text!r}: variant {variant!r} is not defined; define it with "
-                         f"--smurfs-variant '{variant}={{...}}' (defined: "
+                         f"--variant '{variant}={{...}}' (defined: "
                          f"{', '.join(variants) or 'none'})")
     if name == "none" and k_text is not None:
         raise ValueError(f"method {text!r}: 'none' takes no K")
@@ -153,13 +156,45 @@ class MethodSettings:
     ngram_max: int = 4
     smurfs_extra: tuple[tuple[str, Any], ...] = ()  # extra top-level Smurfs config keys
     smurfs_ngram_voter: bool = True
-    #: {variant name: extra Smurfs config keys}, applied after smurfs_extra
-    smurfs_variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    #: {variant name: keys merged into the speculative config of NAME/VARIANT:K}, applied last
+    #: (after smurfs_extra for Smurfs)
+    variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    @classmethod
+    def variants_of(cls, variants: dict[str, dict[str, Any]]
+                    ) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+        """{name: keys} (as --variant gives them) in this frozen class's form."""
+        return tuple((name, tuple(keys.items())) for name, keys in variants.items())
+
+
+#: Keys a variant may not change: they are in the method's label (NAME, K), which must say what ran.
+LABELLED_KEYS = ("method", "num_speculative_tokens")
+
+
+def merge_variant(config: dict[str, Any], keys: dict[str, Any], label: str) -> dict[str, Any]:
+    """`config` with a variant's top-level keys added or replaced (values copied)."""
+    for key in LABELLED_KEYS:
+        if key in keys and keys[key] != config.get(key):
+            raise ValueError(f"method {label}: its variant sets {key}={keys[key]!r} but the label "
+                             f"says {config.get(key)!r}; give the method and K in the method name")
+    return {**config, **copy.deepcopy(keys)}
 
 
 def speculative_config(spec: MethodSpec, settings: MethodSettings,
                        cpus: list[int]) -> dict[str, Any] | None:
-    """The `speculative_config` of `spec` (None for no speculation)."""
+    """The `speculative_config` of `spec` (None for no speculation), its variant merged in."""
+    config = _base_config(spec, settings, cpus)
+    if config is None or spec.variant is None:
+        return config
+    variants = dict(settings.variants)
+    if spec.variant not in variants:
+        raise ValueError(f"method {spec.label}: variant {spec.variant!r} is not defined "
+                         f"(--variant '{spec.variant}={{...}}')")
+    return merge_variant(config, dict(variants[spec.variant]), spec.label)
+
+
+def _base_config(spec: MethodSpec, settings: MethodSettings,
+                 cpus: list[int]) -> dict[str, Any] | None:
     if spec.name == "none":
         return None
     if spec.name == "ngram":
@@ -180,9 +215,8 @@ def speculative_config(spec: MethodSpec, settings: MethodSettings,
     if settings.smurfs_ngram_voter:
         drafters.append({"method": "ngram", "prompt_lookup_min": settings.ngram_min,
                          "prompt_lookup_max": settings.ngram_max})
-    variant = dict(dict(settings.smurfs_variants).get(spec.variant, ())) if spec.variant else {}
     return {"method": "smurfs", "num_speculative_tokens": spec.k, "drafters": drafters,
-            **dict(settings.smurfs_extra), **variant}
+            **copy.deepcopy(dict(settings.smurfs_extra))}
 
 
 def missing_dependency(spec: MethodSpec) -> str | None:

@@ -7,10 +7,23 @@ from typing import Any
 
 from benchmarks.analysis import OVERALL
 from benchmarks.spec_bench import FAMILIES
+from benchmarks.summary import is_served, served_concurrency, summary_loads
 
 LOAD_TITLES = {"batch1": "Batch 1 (offline, one prompt at a time)",
                "batched": "Batched (offline, all prompts in one generate call)",
                "served": "Served (vllm serve + vllm bench serve)"}
+
+
+def load_title(load: str) -> str:
+    concurrency = served_concurrency(load)
+    if concurrency is not None:
+        return f"Served at concurrency {concurrency} (vllm serve + vllm bench serve)"
+    return LOAD_TITLES[load]
+
+
+def plot_name(load: str) -> str:
+    """A load point in a file name: served@c4 -> served_c4."""
+    return load.replace("@", "_")
 
 
 def fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
@@ -43,9 +56,9 @@ def _families(result: dict[str, Any]) -> list[str]:
 
 
 def _status_cell(row: dict[str, Any]) -> str:
-    if row["status"] == "ok":
-        return "ok"
-    return f"{row['status']}: {(row.get('error') or '')[:160]}"
+    if row["status"] == "ok" or not row.get("error"):
+        return row["status"]
+    return f"{row['status']}: {row['error'][:160]}"
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -70,13 +83,17 @@ def render_markdown(result: dict[str, Any]) -> str:
          "against `none` at the same placement when the run has one"),
         "",
     ]
-    for load in ("batch1", "batched", "served"):
-        if load not in summary:
-            continue
-        out += [f"## {LOAD_TITLES[load]}", ""]
+    served_loads = [load for load in summary_loads(summary) if is_served(load)]
+    for load in summary_loads(summary):
+        out += [f"## {load_title(load)}", ""]
         rows = summary[load]
-        if load == "served":
-            out += [f"{settings['concurrency']} requests in flight at most.", ""]
+        if is_served(load):
+            concurrency = served_concurrency(load) or settings.get("concurrency")
+            shared = (f"; the same server (warmed up once) ran {', '.join(served_loads)} in "
+                      "that order, each with its own counters" if len(served_loads) > 1 else "")
+            plural = "s" if concurrency != 1 else ""
+            out += [(f"`{load}`: at most {concurrency} request{plural} in flight; speedups over "
+                     f"`{summary['baseline']}` at `{load}`{shared}."), ""]
             out.append(table(
                 ["method", "status", "output tok/s", "speedup", "mean acc. len",
                  "acceptance per position", "TTFT p50/p99 ms", "ITL p50/p99 ms",
@@ -99,7 +116,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                   fmt_identity(r.get("identity"))] for label, r in rows.items()]))
         out.append("")
         if load != "batched":
-            per_family_speedup = ("speedup (per-request tokens/s, summed)" if load == "served"
+            per_family_speedup = ("speedup (per-request tokens/s, summed)" if is_served(load)
                                   else "speedup")
             out += [f"{per_family_speedup.capitalize()} by family:", ""]
             out.append(_family_table(rows, families, "speedup", "x"))
@@ -110,9 +127,30 @@ def render_markdown(result: dict[str, Any]) -> str:
             out += ["", "Output tokens/s by family:", ""]
             out.append(_family_table(rows, families, "tokens_per_s", ""))
             out.append("")
+    if len(served_loads) > 1:
+        out += _served_across_loads(summary, served_loads)
     out += _divergence_section(result)
     out += _placement_section(result)
     return "\n".join(out) + "\n"
+
+
+def _served_across_loads(summary: dict[str, Any], loads: list[str]) -> list[str]:
+    """One row per method: output tok/s and speedup (each over the baseline at that load point)
+    at every served load point."""
+    labels: list[str] = []
+    for load in loads:
+        labels += [label for label in summary[load] if label not in labels]
+    body = []
+    for label in labels:
+        cells = []
+        for load in loads:
+            totals = summary[load].get(label, {}).get("totals", {})
+            cells.append(f"{fmt(totals.get('output_throughput'))} / "
+                         f"{fmt(totals.get('speedup'), suffix='x')}")
+        body.append([label] + cells)
+    return ["## Served across load points", "",
+            "Output tok/s / speedup over the baseline at the same load point.", "",
+            table(["method"] + loads, body), ""]
 
 
 def _overall(row: dict[str, Any]) -> dict[str, Any]:
@@ -136,13 +174,13 @@ def _family_table(rows: dict[str, Any], families: list[str], key: str, suffix: s
 def _divergence_section(result: dict[str, Any]) -> list[str]:
     prompts = {p["index"]: p for p in result["prompts"]}
     body = []
-    for load in ("batch1", "batched", "served"):
-        for label, row in result["summary"].get(load, {}).items():
+    for load in summary_loads(result["summary"]):
+        for label, row in result["summary"][load].items():
             ident = row.get("identity") or {}
             for d in ident.get("divergences", []):
                 p = prompts[d["prompt_index"]]
-                tokens = (f"{d.get('reference_token')} -> {d.get('token')}" if load != "served"
-                          else "(text)")
+                tokens = (f"{d.get('reference_token')} -> {d.get('token')}"
+                          if not is_served(load) else "(text)")
                 body.append([label, load, ident["reference"], f"{p['family']} q{p['question_id']}",
                              f"{d['position']} of {d['reference_length']}/{d['length']}", tokens,
                              fmt(d.get("top2_margin"), 3),
@@ -163,12 +201,17 @@ def _divergence_section(result: dict[str, Any]) -> list[str]:
 def _placement_section(result: dict[str, Any]) -> list[str]:
     body = []
     for method in result["methods"]:
+        served_seen = False
         for load, entry in method.get("loads", {}).items():
             if load == "batched" and "batch1" in method["loads"]:
                 continue  # same process as batch 1
+            if is_served(load):
+                if served_seen:
+                    continue  # one server ran all of a method's served load points
+                served_seen = True
             env = " ".join(f"{k}={v}" for k, v in entry.get("placement_env", {}).items())
-            body.append([method["label"], "offline" if load != "served" else "served", env or "-",
-                         describe_placement(entry.get("placement_observed", []))])
+            body.append([method["label"], "served" if is_served(load) else "offline",
+                         env or "-", describe_placement(entry.get("placement_observed", []))])
     if not body:
         return []
     return ["## Placement", "",
@@ -196,10 +239,14 @@ def write_plots(result: dict[str, Any], plots_dir: str) -> list[str]:
 
     os.makedirs(plots_dir, exist_ok=True)
     families = _families(result) + [OVERALL]
+    summary = result["summary"]
+    over = f"speedup over {summary.get('baseline')}"
+    plots = [("batch1", "speedup", over), ("batch1", "mean_acceptance_length",
+                                            "mean acceptance length")]
+    plots += [(load, "speedup", f"{over} at {load}") for load in summary_loads(summary)
+              if is_served(load)]
     written = []
-    for load, key, title in (("batch1", "speedup", "speedup over no speculation"),
-                             ("batch1", "mean_acceptance_length", "mean acceptance length"),
-                             ("served", "speedup", "speedup over no speculation")):
+    for load, key, title in plots:
         rows = {label: r for label, r in result["summary"].get(load, {}).items()
                 if any(r.get("families", {}).get(f, {}).get(key) is not None for f in families)}
         if not rows:
@@ -212,10 +259,10 @@ def write_plots(result: dict[str, Any], plots_dir: str) -> list[str]:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(families))], families, fontsize=8)
         if key == "speedup":
             ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_title(f"{LOAD_TITLES[load]}: {title}", fontsize=9)
+        ax.set_title(f"{load_title(load)}: {title}", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        path = os.path.join(plots_dir, f"{key}_{load}.png")
+        path = os.path.join(plots_dir, f"{key}_{plot_name(load)}.png")
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)

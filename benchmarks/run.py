@@ -1,8 +1,10 @@
 """`benchmarks run`: every method on the same prompts and settings, each in fresh processes.
 
 Per method: the offline load points (batch 1, and batched if asked) in one child process with
-one in-process engine (`benchmarks.offline_worker`), then the served load point (`vllm serve` +
-`vllm bench serve`, `benchmarks.served`). A failing method records its error and the run goes on.
+one in-process engine (`benchmarks.offline_worker`), then the served load points: one `vllm serve`
+warmed up once, then one `vllm bench serve` per --concurrency value in the order given, each
+recorded as `served@c<N>` (`benchmarks.served`). A failing method or load point records its error
+and the run goes on.
 The JSON is rewritten after every method, so an interrupted run keeps what it measured.
 """
 
@@ -16,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks import SCHEMA_VERSION
@@ -49,9 +51,14 @@ from benchmarks.spec_bench import (
     write_raw_prompts,
     write_subset,
 )
-from benchmarks.summary import attach_margins, divergence_queries, summarize
-
-OFFLINE_LOADS = ("batch1", "batched")
+from benchmarks.summary import (
+    OFFLINE_LOADS,
+    attach_margins,
+    divergence_queries,
+    load_points,
+    served_load,
+    summarize,
+)
 
 
 @dataclass
@@ -69,7 +76,7 @@ class RunSettings:
     max_model_len: int = 4096
     dtype: str = "bfloat16"
     loads: list[str] = field(default_factory=lambda: ["batch1", "served"])
-    concurrency: int = 16
+    concurrency: list[int] = field(default_factory=lambda: [16])  # one served run per value
     temperature: float = 0.0
     seed: int = 0
     chat: bool = True  # apply the chat template when the tokenizer has one
@@ -77,7 +84,8 @@ class RunSettings:
     ngram_min: int = 2
     ngram_max: int = 4
     smurfs_extra: dict[str, Any] = field(default_factory=dict)
-    smurfs_variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: {name: keys merged into the speculative config of METHOD/name:K} (--variant)
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     smurfs_ngram_voter: bool = True
     method_timeout_s: float | None = None
     margins: bool = True
@@ -221,59 +229,99 @@ def _without_event(event: dict[str, Any]) -> dict[str, Any]:
 
 def run_served(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSettings,
                prompts: list[Prompt], cpus: list[int], logs_dir: str, timeout_s: float,
-               spec_bench_path: str, raw_prompts_path: str) -> dict[str, Any]:
+               spec_bench_path: str, raw_prompts_path: str) -> dict[str, dict[str, Any]]:
+    """{served@c<N>: entry} for each --concurrency value N, in order, all on one server.
+
+    The server starts and is warmed up once; then one `vllm bench serve` per N over the same
+    prompts, each with its own result JSON, log and counters (the harness reports the /metrics
+    differences over its own requests). A failing run records its error and the next N still
+    runs; a server that does not start or warm up fails them all.
+    """
     env, placement_env = child_env(spec, "served", cpus)
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     serve = ServeSettings(target=settings.target, dtype=settings.dtype,
                           max_model_len=settings.max_model_len, max_tokens=settings.max_tokens,
-                          concurrency=settings.concurrency, chat=settings.chat,
+                          concurrency=settings.concurrency[0], chat=settings.chat,
                           temperature=settings.temperature, seed=settings.seed,
                           bench_timeout_s=timeout_s)
     port = free_port()
     label = _file_label(spec.label)
     server_log = os.path.join(logs_dir, f"{label}.serve.log")
-    bench_log = os.path.join(logs_dir, f"{label}.bench.log")
-    entry: dict[str, Any] = {"placement_env": placement_env, "log": server_log,
-                             "bench_log": bench_log, "port": port}
+    loads = [served_load(c) for c in settings.concurrency]
+    common: dict[str, Any] = {"placement_env": placement_env, "log": server_log, "port": port,
+                              "server_loads": loads}
+    own: dict[str, dict[str, Any]] = {load: {"concurrency": c}
+                                      for load, c in zip(loads, settings.concurrency)}
     with tempfile.TemporaryDirectory(prefix="bench-served-") as tmp, \
             PlacementSampler(interval_s=2.0) as sampler:
         cmd = serve_command(serve, port, config)
-        entry["serve_command"] = shlex.join(cmd)
+        common["serve_command"] = shlex.join(cmd)
         with open(server_log, "ab") as log:
             proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         sampler.watch(proc.pid)
         try:
-            started = time.perf_counter()
-            wait_until_healthy(port, proc, serve.start_timeout_s)
-            entry["startup_s"] = time.perf_counter() - started
-            warm_up(port, serve)
-            bench = bench_command(serve, port, spec_bench_path, raw_prompts_path, len(prompts),
-                                  tmp, "bench.json")
-            entry["bench_command"] = shlex.join(bench)
+            server_error = None
+            try:
+                started = time.perf_counter()
+                wait_until_healthy(port, proc, serve.start_timeout_s)
+                common["startup_s"] = time.perf_counter() - started
+                warm_up(port, serve)
+            except Exception as exc:  # noqa: BLE001 - a failing method must not stop the run
+                server_error = f"{exc}; server log: {_error_line(_log_tail(server_log))}"
             client_env = {k: v for k, v in env.items() if not k.startswith("VLLM_CPU_OMP")}
-            with open(bench_log, "ab") as log:
-                rc = subprocess.run(bench, env=client_env, cwd=REPO_ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, timeout=serve.bench_timeout_s,
-                                    check=False).returncode
-            if rc != 0:
-                raise RuntimeError(f"vllm bench serve exit {rc}: "
-                                   f"{_error_line(_log_tail(bench_log))}")
-            with open(os.path.join(tmp, "bench.json")) as f:
-                parsed = parse_bench_result(json.load(f), [p.index for p in prompts])
-            entry["requests"] = {str(i): r for i, r in parsed["requests"].items()}
-            entry["totals"] = parsed["totals"]
-            failed = sum(1 for r in parsed["requests"].values() if r["error"])
-            entry.update(_status(f"{failed} requests failed" if failed else None,
-                                 len(prompts) - failed, len(prompts)))
-        except Exception as exc:  # noqa: BLE001 - a failing method must not stop the run
-            tail = _log_tail(server_log)
-            entry.update({"status": "error", "error": f"{exc}; server log: {_error_line(tail)}"})
+            for load, c in zip(loads, settings.concurrency):
+                entry = own[load]
+                if server_error is None and proc.poll() is not None:
+                    server_error = (f"vllm serve exited with code {proc.returncode} after "
+                                    "an earlier load point; server log: "
+                                    f"{_error_line(_log_tail(server_log))}")
+                if server_error is not None:
+                    entry.update({"status": "error", "error": server_error})
+                    continue
+                print(f"[bench] {spec.label} {load} ...", flush=True)
+                try:
+                    _bench_once(entry, replace(serve, concurrency=c), port, prompts,
+                                spec_bench_path, raw_prompts_path, tmp,
+                                os.path.join(logs_dir, f"{label}.bench-c{c}.log"), client_env)
+                except Exception as exc:  # noqa: BLE001 - the next load point still runs
+                    entry.update({"status": "error", "error": (
+                        f"{exc}; server log: {_error_line(_log_tail(server_log))}")})
         finally:
             stop(proc)
-            entry["placement_observed"] = sampler.report()
-    return entry
+            observed = sampler.report()  # the server's whole life, shared by its load points
+    return {load: {**common, **own[load], "placement_observed": observed} for load in loads}
+
+
+def _bench_once(entry: dict[str, Any], serve: ServeSettings, port: int, prompts: list[Prompt],
+                spec_bench_path: str, raw_prompts_path: str, tmp: str, bench_log: str,
+                client_env: dict[str, str]) -> None:
+    """One `vllm bench serve` at `serve.concurrency` against the running server, into `entry`
+    (its command and log first, so that a failure still says what ran)."""
+    filename = f"bench-c{serve.concurrency}.json"
+    bench = bench_command(serve, port, spec_bench_path, raw_prompts_path, len(prompts), tmp,
+                          filename)
+    entry.update({"bench_log": bench_log, "bench_command": shlex.join(bench)})
+    started = time.perf_counter()
+    with open(bench_log, "ab") as log:
+        try:
+            rc = subprocess.run(bench, env=client_env, cwd=REPO_ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=serve.bench_timeout_s,
+                                check=False).returncode
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"vllm bench serve: no result after {serve.bench_timeout_s:.0f} s "
+                               f"(see {bench_log})") from None
+    entry["wall_s"] = time.perf_counter() - started
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve exit {rc}: {_error_line(_log_tail(bench_log))}")
+    with open(os.path.join(tmp, filename)) as f:
+        parsed = parse_bench_result(json.load(f), [p.index for p in prompts])
+    entry["requests"] = {str(i): r for i, r in parsed["requests"].items()}
+    entry["totals"] = parsed["totals"]
+    failed = sum(1 for r in parsed["requests"].values() if r["error"])
+    entry.update(_status(f"{failed} requests failed" if failed else None,
+                         len(prompts) - failed, len(prompts)))
 
 
 def _file_label(label: str) -> str:
@@ -284,7 +332,7 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
     from benchmarks.report import write_report
 
     cpus = allowed_cpus()
-    specs = parse_methods(settings.methods, len(cpus), settings.smurfs_variants)
+    specs = parse_methods(settings.methods, len(cpus), settings.variants)
     labels = [s.label for s in specs]
     baseline = settings.baseline or next((s.label for s in specs if s.name == "none"), None)
     if baseline is not None and baseline not in labels:
@@ -314,8 +362,7 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
     method_settings = MethodSettings(tuple(settings.drafts), settings.ngram_min, settings.ngram_max,
                                      tuple(settings.smurfs_extra.items()),
                                      settings.smurfs_ngram_voter,
-                                     tuple((name, tuple(keys.items()))
-                                           for name, keys in settings.smurfs_variants.items()))
+                                     MethodSettings.variants_of(settings.variants))
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "provenance": provenance(argv, settings.dtype),
@@ -340,7 +387,7 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
         except ValueError as exc:
             method["error"] = str(exc)
             method["loads"] = {load: {"status": "error", "error": str(exc)}
-                               for load in settings.loads}
+                               for load in load_points(vars(settings))}
             print(f"[bench] {spec.label}: {exc}", flush=True)
             _write_json(result, json_path)
             continue
@@ -349,9 +396,8 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
             method["loads"].update(run_offline(spec, config, settings, prompts, offline_loads,
                                                cpus, logs_dir, timeout_s))
         if "served" in settings.loads:
-            method["loads"]["served"] = run_served(spec, config, settings, prompts, cpus,
-                                                   logs_dir, timeout_s, subset_path,
-                                                   raw_prompts_path)
+            method["loads"].update(run_served(spec, config, settings, prompts, cpus, logs_dir,
+                                              timeout_s, subset_path, raw_prompts_path))
         for load, entry in method["loads"].items():
             print(f"[bench] {spec.label} {load}: {entry['status']}"
                   + (f" ({entry['error']})" if entry.get("error") else ""), flush=True)

@@ -1,10 +1,15 @@
 """Concurrent load through vLLM's own harness: `vllm serve` + `vllm bench serve` on Spec-Bench.
 
-One server per method (fresh process tree), one `vllm bench serve --dataset-name spec_bench` run
-against it over the run's prompt selection (written in Spec-Bench's format, in order:
-`--disable-shuffle`, so request i is prompt i), greedy, `--max-concurrency` requests in flight.
-vLLM's report gives throughput, acceptance counters (scraped from /metrics) and, with
-`--save-detailed`, each request's TTFT, inter-token latencies, latency and text.
+One server per method (fresh process tree), warmed up once, then one `vllm bench serve
+--dataset-name spec_bench` run against it per --concurrency value, in the order given (load
+points `served@c<N>`), each over the run's prompt selection (written in Spec-Bench's format, in
+order: `--disable-shuffle`, so request i is prompt i), greedy, `--max-concurrency N` requests in
+flight. vLLM's report gives throughput, acceptance counters and, with `--save-detailed`, each
+request's TTFT, inter-token latencies, latency and text. The counters are per run: the harness
+scrapes the server's /metrics just before its first request (after its own one-prompt readiness
+check) and after its last, and reports the differences (vllm/benchmarks/serve.py,
+`fetch_spec_decode_metrics`), so earlier runs on the same server, the warm-up included, do not
+count.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """From a run's raw records to its summary: per load, per method, per family (pure, tested).
 
-Speedups are over the run's baseline (`settings.baseline`, no speculation by default) at the same
-load point; identity is against the `none` run with the same thread placement when the run has
-one (bf16 output changes with the thread count even without speculation), else the baseline.
+Load points: `batch1`, `batched` (offline) and one `served@c<N>` per --concurrency value N
+(one server per method, one `vllm bench serve` per N). Speedups are over the run's baseline
+(`settings.baseline`, no speculation by default) at the same load point -- served@c4 over the
+baseline's served@c4; identity is against the `none` run with the same thread placement when the
+run has one (bf16 output changes with the thread count even without speculation), else the
+baseline, also at the same load point.
 """
 
 from __future__ import annotations
@@ -19,7 +22,47 @@ from benchmarks.analysis import (
     tokens_per_s,
 )
 
-LOADS = ("batch1", "batched", "served")
+OFFLINE_LOADS = ("batch1", "batched")
+#: The load kinds --loads names; `served` expands to one load point per concurrency.
+LOADS = (*OFFLINE_LOADS, "served")
+SERVED_PREFIX = "served@c"
+
+
+def served_load(concurrency: int) -> str:
+    """The load point of served runs at `concurrency` requests in flight: served@c<N>."""
+    return f"{SERVED_PREFIX}{concurrency}"
+
+
+def is_served(load: str) -> bool:
+    return load == "served" or load.startswith(SERVED_PREFIX)
+
+
+def served_concurrency(load: str) -> int | None:
+    """N of served@c<N>; None for any other load point."""
+    if load.startswith(SERVED_PREFIX) and load[len(SERVED_PREFIX):].isdigit():
+        return int(load[len(SERVED_PREFIX):])
+    return None
+
+
+def concurrencies(settings: dict[str, Any]) -> list[int]:
+    """The run's --concurrency values, in order (schema 1 saved a single int)."""
+    value = settings.get("concurrency", 16)
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def load_points(settings: dict[str, Any]) -> list[str]:
+    """The run's load points in report order: batch1, batched, then served@c<N> per --concurrency
+    value in the order given."""
+    loads = settings["loads"]
+    points = [load for load in OFFLINE_LOADS if load in loads]
+    if "served" in loads:
+        points += [served_load(c) for c in concurrencies(settings)]
+    return points
+
+
+def summary_loads(summary: dict[str, Any]) -> list[str]:
+    """The load points a summary has, in its order."""
+    return [key for key in summary if key in OFFLINE_LOADS or is_served(key)]
 
 
 def load_records(method: dict[str, Any] | None, load: str) -> Any:
@@ -48,7 +91,7 @@ def identity_reference(method: dict[str, Any], methods: dict[str, dict[str, Any]
 
 
 def _outputs(records: dict[int, dict[str, Any]], load: str) -> dict[int, Any]:
-    if load == "served":
+    if is_served(load):
         return {i: r["text"] for i, r in records.items() if not r.get("error")}
     return {i: r["output_token_ids"] for i, r in records.items()}
 
@@ -58,9 +101,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     baseline = result["settings"]["baseline"]
     methods = {m["label"]: m for m in result["methods"]}
     summary: dict[str, Any] = {"baseline": baseline}
-    for load in LOADS:
-        if load not in result["settings"]["loads"]:
-            continue
+    for load in load_points(result["settings"]):
         base_records = load_records(methods.get(baseline), load)
         per_method: dict[str, Any] = {}
         for label, method in methods.items():
@@ -74,7 +115,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 elif load == "batched":
                     row.update(_summarize_batched(entry, methods.get(baseline, {}), load))
                 else:
-                    row.update(_summarize_served_totals(entry, methods.get(baseline, {})))
+                    row.update(_summarize_served_totals(entry, methods.get(baseline, {}), load))
                     row["families"] = summarize_served(records, families, base_records)
                 reference = identity_reference(method, methods, baseline, load)
                 if reference is not None:
@@ -104,11 +145,16 @@ def _summarize_batched(entry: dict[str, Any], baseline: dict[str, Any], load: st
                       "num_drafts": counters.num_drafts}}
 
 
-def _summarize_served_totals(entry: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+def _summarize_served_totals(entry: dict[str, Any], baseline: dict[str, Any], load: str
+                             ) -> dict[str, Any]:
+    """Whole-run figures of one `vllm bench serve` run; speedup over the baseline's run at the
+    same load point. Its acceptance counters are that run's own: the harness scrapes the server's
+    /metrics before and after its requests and reports the differences, so the earlier load points
+    on the same server do not count."""
     totals = entry.get("totals", {})
-    base_totals = (baseline.get("loads", {}).get("served") or {}).get("totals", {})
-    same_prompts = (baseline.get("loads", {}).get("served") or {}).get("requests", {}).keys() \
-        == entry.get("requests", {}).keys()
+    base_entry = baseline.get("loads", {}).get(load) or {}
+    base_totals = base_entry.get("totals", {})
+    same_prompts = base_entry.get("requests", {}).keys() == entry.get("requests", {}).keys()
     throughput = totals.get("output_throughput")
     counters = SpecCounters(int(totals.get("spec_decode_num_drafts", 0)),
                             int(totals.get("spec_decode_draft_tokens", 0)),
