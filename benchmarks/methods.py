@@ -208,9 +208,14 @@ def _base_config(spec: MethodSpec, settings: MethodSettings,
         return {"method": "draft_model", "model": settings.drafts[0],
                 "num_speculative_tokens": spec.k}
     spare = spec.placement.spare_cpus(cpus)
-    drafter_extra: dict[str, Any] = {"num_threads": 1}
     if spare:
-        drafter_extra["cpus"] = spare
+        # Drafters on the cores the target leaves free: one thread each.
+        drafter_extra: dict[str, Any] = {"num_threads": 1, "cpus": spare}
+    else:
+        # No free core: drafters share the target's cores (synchronous drafting takes turns with
+        # the target's step), with as many threads as the target.
+        drafter_extra = {"num_threads": spec.placement.threads or len(cpus),
+                         "cpus": spec.placement.target_cpus(cpus)}
     drafters: list[dict[str, Any]] = [{"model": d, **drafter_extra} for d in settings.drafts]
     if settings.smurfs_ngram_voter:
         drafters.append({"method": "ngram", "prompt_lookup_min": settings.ngram_min,

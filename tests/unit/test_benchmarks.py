@@ -138,7 +138,8 @@ def test_speculative_configs():
                                       {"model": "/d1", "num_threads": 1, "cpus": [1]}]
     assert smurfs["drafters"][2]["method"] == "ngram" and smurfs["draft_timeout_s"] == 5.0
     shared = speculative_config(parse_method("smurfs:4@2threads", 2), settings, cpus)
-    assert "cpus" not in shared["drafters"][0]
+    # No free core: the drafters take turns with the target on its cores, with its thread count.
+    assert shared["drafters"][0] == {"model": "/d0", "num_threads": 2, "cpus": [0, 1]}
     with pytest.raises(ValueError, match="--draft"):
         speculative_config(parse_method("draft_model:2", 2), MethodSettings(), cpus)
 
