@@ -258,3 +258,32 @@ def identity(reference: dict[int, Sequence[Any]], other: dict[int, Sequence[Any]
     identical = len(common) - len(found)
     return {"compared": len(common), "identical": identical,
             "identity_rate": identical / len(common) if common else None, "divergences": found}
+
+
+def pipeline_figures(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """Smurfs' own pipeline figures over batch-1 records (their ``smurfs_stats``), or None.
+
+    - ``no_draft_share``: of the (request, step) pairs given a lookahead > 0, the share no drafter
+      had anything ready for (those steps decode one token normally);
+    - ``drafter_busy_s``: seconds the model drafters spent in engine steps (summed over them);
+    - ``wait_s``: seconds the target's worker waited for drafts (in ``propose``);
+    - ``hidden_share``: 1 - wait_s / drafter_busy_s, the share of drafting time that ran while
+      the target computed (synchronous drafting waits for all of it: about 0; clamped to [0, 1]);
+    - ``wait_share``: wait_s over the generation seconds.
+    """
+    stats = [(r["smurfs_stats"], r.get("elapsed_s", 0.0)) for r in records
+             if r.get("smurfs_stats")]
+    if not stats:
+        return None
+    drafted = sum(s["requests_drafted"] for s, _ in stats)
+    without = sum(s["requests_without_draft"] for s, _ in stats)
+    wait_s = sum(s["wait_s"] for s, _ in stats)
+    busy_s = sum(d.get("busy_s", 0.0) for s, _ in stats for d in s["drafters"])
+    elapsed_s = sum(e for _, e in stats)
+    hidden = None if busy_s <= 0 else min(1.0, max(0.0, 1.0 - wait_s / busy_s))
+    return {"requests_drafted": drafted, "requests_without_draft": without,
+            "no_draft_share": ratio(without, drafted), "drafter_busy_s": round(busy_s, 3),
+            "wait_s": round(wait_s, 3), "hidden_share": hidden,
+            "wait_share": ratio(wait_s, elapsed_s),
+            "engine_steps": sum(d.get("engine_steps", 0) for s, _ in stats
+                                for d in s["drafters"])}

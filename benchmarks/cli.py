@@ -15,11 +15,20 @@ from benchmarks.spec_bench import FAMILIES
 DEFAULT_DATASET = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data", "spec_bench",
                                                 "question.jsonl"))
 FULL_METHODS = ("none,none@1thread,ngram:4,draft_model:2,draft_model:4,draft_model:6,suffix:4,"
-                "smurfs:4")
+                "smurfs:6,smurfs/fixed:2,smurfs/fixed:4,smurfs/sync:2@2threads")
 QUICK_METHODS = "none,ngram:4,draft_model:4,smurfs:4"
-#: (prompts per family, max_tokens) of each mode.
+#: (prompts per family, max_tokens) of each mode. Full is sized to finish batch 1 of every
+#: method in about an hour on a 2-core machine; `--prompts-per-family 0 --max-tokens 256` is
+#: the whole of Spec-Bench (days here).
 QUICK = (2, 64)
-FULL = (10, 256)
+FULL = (3, 80)
+#: Variants every run knows (a --variant of the same name replaces one): Smurfs with a fixed
+#: lookahead, Smurfs synchronous with a fixed lookahead, vLLM's batch-size lookahead table.
+PRESET_VARIANTS: dict[str, dict] = {
+    "fixed": {"lookahead": {"policy": "fixed"}},
+    "sync": {"pipeline": False, "lookahead": {"policy": "fixed"}},
+    "table": {"num_speculative_tokens_per_batch_size": [[1, 1, 6], [2, 8, 4], [9, 256, 2]]},
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "as METHOD/NAME:K with any speculative method (draft_model/table:6, "
                           "ngram/long:8, smurfs/sync:4); repeatable; --smurfs-variant is an "
                           "alias kept from when only Smurfs had variants (e.g. "
-                          "sync='{\"pipeline\": false}')")
+                          "sync='{\"pipeline\": false}'); built in: "
+                          + "; ".join(f"{k}={json.dumps(v)}" for k, v in PRESET_VARIANTS.items()))
     run.add_argument("--no-smurfs-ngram", action="store_true",
                      help="Smurfs without the n-gram voter")
     run.add_argument("--method-timeout-s", type=float, default=None,
@@ -132,6 +142,11 @@ def parse_variants(items: list[str]) -> dict[str, dict]:
     return variants
 
 
+def all_variants(items: list[str]) -> dict[str, dict]:
+    """The built-in variants, then those of --variant (replacing a built-in of the same name)."""
+    return {**PRESET_VARIANTS, **parse_variants(items)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -164,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=args.temperature, seed=args.seed, chat=not args.no_chat_template,
         kv_cache_gib=args.kv_cache_gib, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         smurfs_extra=args.smurfs_extra, smurfs_ngram_voter=not args.no_smurfs_ngram,
-        variants=parse_variants(args.variant),
+        variants=all_variants(args.variant),
         method_timeout_s=args.method_timeout_s, margins=not args.no_margins,
         plots=not args.no_plots)
     run(settings, argv)

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+from vllm_smurfs.metrics import get_smurfs_stats, stats_delta
 from vllm_smurfs.runner import counter_delta, spec_counters
 
 #: A short prompt outside the benchmark, run once before timing (first-call costs).
@@ -57,14 +58,19 @@ def run(job: dict[str, Any], events_path: str) -> None:
 
     llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
 
+    smurfs = (job["speculative_config"] or {}).get("method") == "smurfs"
     if "batch1" in job["loads"]:
         for index, prompt in zip(indices, prompts):
             before = spec_counters(llm)
+            smurfs_before = get_smurfs_stats(llm) if smurfs else None
             t0 = time.perf_counter()
             [output] = llm.generate([prompt], params, use_tqdm=False)
             elapsed_s = time.perf_counter() - t0
+            extra = ({"smurfs_stats": stats_delta(get_smurfs_stats(llm), smurfs_before)}
+                     if smurfs_before is not None else {})
             emit({"event": "batch1", "prompt_index": index, "elapsed_s": elapsed_s,
-                  **_output_record(output), **counter_delta(spec_counters(llm), before)})
+                  **_output_record(output), **counter_delta(spec_counters(llm), before),
+                  **extra})
 
     if "batched" in job["loads"]:
         # Prompts of the batch-1 pass would otherwise be served from the prefix cache.

@@ -127,6 +127,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             out += ["", "Output tokens/s by family:", ""]
             out.append(_family_table(rows, families, "tokens_per_s", ""))
             out.append("")
+            out += _pipeline_section(rows)
     if len(served_loads) > 1:
         out += _served_across_loads(summary, served_loads)
     out += _divergence_section(result)
@@ -196,6 +197,22 @@ def _divergence_section(result: dict[str, Any]) -> list[str]:
             table(["method", "load", "reference", "prompt", "position (of ref/own length)",
                    "ref -> own token", "top-2 margin", "ref - own logit"], body), ""]
     return out
+
+
+def _pipeline_section(rows: dict[str, Any]) -> list[str]:
+    """Smurfs' own figures at batch 1 (from its stats, `analysis.pipeline_figures`)."""
+    body = [[label, str(p["requests_drafted"]), fmt(p["no_draft_share"]),
+             fmt(p["drafter_busy_s"], 1), fmt(p["wait_s"], 1), fmt(p["hidden_share"]),
+             fmt(p["wait_share"])]
+            for label, r in rows.items() if (p := r.get("pipeline"))]
+    if not body:
+        return []
+    return ["Smurfs pipeline: (request, step) pairs given a lookahead, the share with no draft "
+            "ready, seconds the drafters computed and the target waited for them, the share of "
+            "drafting hidden behind verification (1 - waited / computed) and of generation time "
+            "spent waiting:", "",
+            table(["method", "drafted steps", "no draft ready", "drafter busy s", "waited s",
+                   "hidden", "waiting share"], body), ""]
 
 
 def _placement_section(result: dict[str, Any]) -> list[str]:

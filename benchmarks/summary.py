@@ -16,6 +16,7 @@ from benchmarks.analysis import (
     OVERALL,
     SpecCounters,
     identity,
+    pipeline_figures,
     ratio,
     summarize_batch1,
     summarize_served,
@@ -112,6 +113,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             if records is not None:
                 if load == "batch1":
                     row["families"] = summarize_batch1(records, families, base_records)
+                    pipeline = pipeline_figures(records.values())
+                    if pipeline is not None:
+                        row["pipeline"] = pipeline
                 elif load == "batched":
                     row.update(_summarize_batched(entry, methods.get(baseline, {}), load))
                 else:

@@ -26,6 +26,29 @@ def check_vllm_version(installed: str) -> None:
         )
 
 
+class _ToVllmLogger(logging.Handler):
+    """Hands every record to the ``vllm`` logger, whose handlers vLLM sets up (lazily)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def route_logs_like_vllm() -> None:
+    """Send the ``vllm_smurfs`` loggers' records where vLLM's go, in its format, at its level.
+
+    vLLM configures only its own ``vllm`` logger; ours would otherwise fall through to Python's
+    last-resort handler, which drops INFO records (the periodic per-drafter line among them).
+    """
+    ours = logging.getLogger("vllm_smurfs")
+    if any(isinstance(h, _ToVllmLogger) for h in ours.handlers):
+        return
+    import vllm.envs as envs
+
+    ours.addHandler(_ToVllmLogger())
+    ours.setLevel(envs.VLLM_LOGGING_LEVEL)
+    ours.propagate = False
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -33,6 +56,7 @@ def register() -> None:
     import vllm
 
     check_vllm_version(vllm.__version__)
+    route_logs_like_vllm()
     from vllm_smurfs import patches
 
     applied = patches.apply_all()

@@ -47,3 +47,24 @@ def test_vllm_cpu_expand_is_still_broken_and_ours_is_right():
     assert torch.equal(ours, expected)
     top_k = torch.tensor([5, 0, 7], dtype=torch.int32)
     assert expand_batch_to_tokens(top_k, torch.tensor([1, 3, 4]), 4).tolist() == [5, 0, 0, 7]
+
+
+def test_our_log_records_go_where_vllms_do():
+    import logging
+
+    from vllm_smurfs import plugin
+
+    plugin.register()
+    plugin.route_logs_like_vllm()  # idempotent: one forwarding handler
+    assert len(logging.getLogger("vllm_smurfs").handlers) == 1
+    seen: list[logging.LogRecord] = []
+    collector = logging.Handler()
+    collector.emit = seen.append
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(collector)
+    try:
+        # INFO, like the periodic per-drafter line: printed by vLLM's handlers, not dropped.
+        logging.getLogger("vllm_smurfs.proposer").info("Smurfs drafters: %s", "{}")
+    finally:
+        vllm_logger.removeHandler(collector)
+    assert [r.getMessage() for r in seen] == ["Smurfs drafters: {}"]

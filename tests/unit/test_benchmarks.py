@@ -464,6 +464,21 @@ def test_variant_option_parses_and_smurfs_variant_is_its_alias():
             parse_variants(['a={"k": 0}', bad] if "more than once" in message else [bad])
 
 
+def test_built_in_variants_are_known_and_replaceable():
+    from benchmarks.cli import FULL_METHODS, PRESET_VARIANTS, all_variants
+    from benchmarks.methods import parse_methods
+
+    variants = all_variants([])
+    assert variants == PRESET_VARIANTS
+    assert variants["table"]["num_speculative_tokens_per_batch_size"] == TABLE
+    # The full mode's methods use built-in variants only: they parse with no --variant.
+    labels = [s.label for s in parse_methods(FULL_METHODS, 2, variants)]
+    assert "smurfs/sync:2@2threads" in labels and "smurfs/fixed:4@1thread" in labels
+    mine = all_variants(['sync={"pipeline": false}', 'wait={"draft_wait_s": 0.5}'])
+    assert mine["sync"] == {"pipeline": False} and mine["wait"] == {"draft_wait_s": 0.5}
+    assert mine["fixed"] == PRESET_VARIANTS["fixed"]
+
+
 def test_variants_merge_into_draft_model_and_ngram_configs():
     from benchmarks.cli import parse_variants
 
@@ -711,3 +726,23 @@ def test_compare_reads_a_schema_1_result_as_its_concurrency():
     text = compare(old, new)
     c16 = text[text.index("## served@c16"):]
     assert "| smurfs:4@1thread | 25.00 | 25.00 | 1.00x |" in c16 and "only" not in c16
+
+
+def test_pipeline_figures_from_smurfs_stats():
+    from benchmarks.analysis import pipeline_figures
+
+    def record(drafted, without, wait_s, busy_s, elapsed_s):
+        return {"elapsed_s": elapsed_s, "smurfs_stats": {
+            "requests_drafted": drafted, "requests_without_draft": without, "wait_s": wait_s,
+            "drafters": [{"name": "ssm", "busy_s": busy_s, "engine_steps": 10},
+                         {"name": "ngram", "vote_wins": 3}]}}
+
+    assert pipeline_figures([{"elapsed_s": 1.0}]) is None  # not Smurfs
+    figures = pipeline_figures([record(10, 4, 1.0, 6.0, 10.0), record(10, 1, 1.0, 2.0, 10.0),
+                                {"elapsed_s": 5.0}])
+    assert figures["requests_drafted"] == 20 and figures["no_draft_share"] == 0.25
+    assert figures["drafter_busy_s"] == 8.0 and figures["wait_s"] == 2.0
+    assert figures["hidden_share"] == 0.75 and figures["wait_share"] == 0.1
+    assert figures["engine_steps"] == 20
+    # Synchronous drafting waits for all of it (and a little more): nothing hidden, clamped.
+    assert pipeline_figures([record(5, 0, 3.5, 3.0, 9.0)])["hidden_share"] == 0.0
