@@ -10,9 +10,10 @@ VARIANT (any method but `none`) names a JSON object given by `--variant NAME=JSO
 `--smurfs-variant`) whose keys are merged into the method's speculative config (top-level keys
 added or replaced), so that several variants of a method run side by side in one run.
 PLACEMENT says how many compute threads the target gets, on which cores (the first N cores this
-process may use); `auto` leaves vLLM's own choice. Defaults give every method its best placement
-on a small machine: single-process methods get all cores; Smurfs gives the target all cores but
-one and pins its model drafters to the rest (no spare core: drafters share the target's).
+process may use); `auto` leaves vLLM's own choice. By default every method's target gets all
+cores; Smurfs' model drafters then borrow the target's last core while they draft (pipelined) or
+take turns with it on all cores (synchronous), see `vllm_smurfs.cores`. `smurfs:K@1thread` on 2
+cores gives the drafters a core of their own instead.
 """
 
 from __future__ import annotations
@@ -87,8 +88,6 @@ def parse_placement(text: str, num_cpus: int) -> Placement:
 
 
 def default_placement(name: str, num_cpus: int) -> Placement:
-    if name == "smurfs":
-        return Placement(max(1, num_cpus - 1))
     return Placement(num_cpus)
 
 
@@ -208,14 +207,10 @@ def _base_config(spec: MethodSpec, settings: MethodSettings,
         return {"method": "draft_model", "model": settings.drafts[0],
                 "num_speculative_tokens": spec.k}
     spare = spec.placement.spare_cpus(cpus)
-    if spare:
-        # Drafters on the cores the target leaves free: one thread each.
-        drafter_extra: dict[str, Any] = {"num_threads": 1, "cpus": spare}
-    else:
-        # No free core: drafters share the target's cores (synchronous drafting takes turns with
-        # the target's step), with as many threads as the target.
-        drafter_extra = {"num_threads": spec.placement.threads or len(cpus),
-                         "cpus": spec.placement.target_cpus(cpus)}
+    # Drafters on the cores the target leaves free, one thread each; without a free core the
+    # plugin places them: a pipelined drafter borrows the target's last core only while it
+    # drafts, a synchronous one takes turns with the target on all its cores and threads.
+    drafter_extra: dict[str, Any] = {"num_threads": 1, "cpus": spare} if spare else {}
     drafters: list[dict[str, Any]] = [{"model": d, **drafter_extra} for d in settings.drafts]
     if settings.smurfs_ngram_voter:
         drafters.append({"method": "ngram", "prompt_lookup_min": settings.ngram_min,

@@ -38,6 +38,7 @@ from benchmarks.served import (
     bench_command,
     free_port,
     parse_bench_result,
+    reset_prefix_cache,
     serve_command,
     stop,
     wait_until_healthy,
@@ -239,6 +240,7 @@ def run_served(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSet
     """
     env, placement_env = child_env(spec, "served", cpus)
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache between load points
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     serve = ServeSettings(target=settings.target, dtype=settings.dtype,
                           max_model_len=settings.max_model_len, max_tokens=settings.max_tokens,
@@ -281,6 +283,7 @@ def run_served(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSet
                     entry.update({"status": "error", "error": server_error})
                     continue
                 print(f"[bench] {spec.label} {load} ...", flush=True)
+                entry["prefix_cache_reset"] = reset_prefix_cache(port)
                 try:
                     _bench_once(entry, replace(serve, concurrency=c), port, prompts,
                                 spec_bench_path, raw_prompts_path, tmp,

@@ -9,7 +9,8 @@ request's TTFT, inter-token latencies, latency and text. The counters are per ru
 scrapes the server's /metrics just before its first request (after its own one-prompt readiness
 check) and after its last, and reports the differences (vllm/benchmarks/serve.py,
 `fetch_spec_decode_metrics`), so earlier runs on the same server, the warm-up included, do not
-count.
+count. Before each run the target's prefix cache is emptied (`reset_prefix_cache`): later load
+points would otherwise find every prompt cached and skip its prefill.
 """
 
 from __future__ import annotations
@@ -121,6 +122,19 @@ def warm_up(port: int, settings: ServeSettings) -> None:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as r:
         r.read()
+
+
+def reset_prefix_cache(port: int) -> bool:
+    """Empty the target's prefix cache (`VLLM_SERVER_DEV_MODE=1` endpoint) so that a load point
+    does not find the previous one's prompts cached; whether the server said it did. (A Smurfs
+    drafter's own engine keeps its cache: it is not reachable from here.)"""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", data=b"",
+                                     method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return bool(json.loads(r.read() or b"{}").get("success", r.status == 200))
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return False
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:

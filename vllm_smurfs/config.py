@@ -60,8 +60,11 @@ class ModelDrafterConfig(_Strict):
         le=1,
         description="Fraction of GPU memory for the drafter engine (GPU machines only).",
     )
-    num_threads: int = Field(
-        default=1, ge=1, description="Compute threads of the drafter process (CPU)."
+    num_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="Compute threads of the drafter process (CPU); default 1, or the target's "
+        "thread count when it drafts synchronously on the target's cores.",
     )
     cpus: list[int] | None = Field(
         default=None,
@@ -149,6 +152,14 @@ class LookaheadConfig(_Strict):
         le=MAX_SPECULATIVE_TOKENS,
         description="Adaptive policy: shortest lookahead it may choose (0 lets it switch "
         "speculation off for a request).",
+    )
+    pause_drafters: bool = Field(
+        default=True,
+        description="Adaptive policy with min_tokens 0: each step, also weigh leaving the model "
+        "drafters out "
+        "(drafts from the model-free voters only, or none) and take the better plan, from step "
+        "times and acceptance measured in each mode. A pipelined drafter that shares the "
+        "target's cores borrows them only while it drafts.",
     )
 
 

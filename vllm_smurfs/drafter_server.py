@@ -7,6 +7,7 @@ numpy int32 arrays:
 
     -> ("track", [(req_id, context, max_lead), ...])
     -> ("forget", [req_id, ...])
+    -> ("pause",)                      forget every request; each gets a "stop" record
     -> ("shutdown",)
     <- ("ready", info) | ("error", num_messages_taken, traceback)
     <- ("update", num_messages_taken, records, timing)    after every round (see `serve`)
@@ -175,6 +176,12 @@ class PathDrafter:
         if t is not None:
             self._abort(t)
 
+    def pause(self) -> None:
+        """Stop drafting for every request (the client left the model drafters out)."""
+        for req_id in list(self.tracks):
+            self.forget(req_id)
+            self.records.append((req_id, "stop", None))
+
     def step(self) -> tuple[int, float] | None:
         """One engine step for every drafting request; (num_reqs, seconds), None if idle."""
         if not self.engine.busy():
@@ -237,6 +244,8 @@ def serve(conn: Any, drafter: PathDrafter, fault: _Fault) -> None:
             if message[0] == "forget":
                 for req_id in message[1]:
                     drafter.forget(req_id)
+            elif message[0] == "pause":
+                drafter.pause()
             elif message[0] == "track":
                 for req_id, context, max_lead in message[1]:
                     drafter.track(req_id, np.asarray(context, dtype=np.int32), max_lead)

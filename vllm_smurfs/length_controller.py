@@ -84,6 +84,9 @@ class StepTiming:
     num_tokens: int
     # Wall time of the target's step (forward, sampling, scheduling), not the proposer's own time.
     seconds: float
+    # Whether model drafters drafted during it (the target may have lent them cores): such steps
+    # and steps without model drafting have their own cost curves.
+    drafting: bool = True
 
     def __post_init__(self) -> None:
         if self.num_reqs < 0:
@@ -125,8 +128,19 @@ class LookaheadPolicy(Protocol):
         """Record one drafter engine call."""
         ...
 
-    def choose(self, requests: Sequence[RequestView], max_lookahead: int) -> list[int]:
-        """One lookahead per request, in order, each in ``0..max_lookahead``."""
+    def choose(self, requests: Sequence[RequestView], max_lookahead: int,
+               free_lens: Sequence[int] | None = None) -> list[int]:
+        """One lookahead per request, in order, each in ``0..max_lookahead``.
+
+        ``free_lens[i]``: tokens the model-free voters have ready for request ``i`` now (they
+        cost nothing to draft). After the call `models_on` says whether model drafters draft
+        this step; when it is False every lookahead is at most ``free_lens[i]``.
+        """
+        ...
+
+    @property
+    def models_on(self) -> bool:
+        """Whether the last choice drafts with the model drafters."""
         ...
 
     def wait_bound(
@@ -198,7 +212,12 @@ class FixedLookahead:
     def observe_draft(self, timing: DraftTiming) -> None:
         return None
 
-    def choose(self, requests: Sequence[RequestView], max_lookahead: int) -> list[int]:
+    @property
+    def models_on(self) -> bool:
+        return True
+
+    def choose(self, requests: Sequence[RequestView], max_lookahead: int,
+               free_lens: Sequence[int] | None = None) -> list[int]:
         """``min(num_speculative_tokens, max_lookahead, room_for_drafts(r))`` per request.
 
         Raises:
@@ -738,6 +757,18 @@ _BACKGROUND_SMOOTHING = 0.5
 # A longer draft must improve the predicted rate by this relative margin to be taken: it breaks
 # numerical ties (free verification, zero expected gain) towards fewer tokens.
 _MIN_RELATIVE_GAIN = 1e-9
+# With ``free_mode``: switching from model-free drafting to model drafting must promise this much
+# more (relative rate). A switch restarts the drafters (a prefill per request) and the first
+# steps after it find few drafts ready, which the estimates of the mode learnt earlier omit.
+_SWITCH_MARGIN = 0.05
+# Steps a mode is kept after a switch: each switch costs a restart, and a mode's estimates need a
+# few steps to reflect the present.
+_MIN_DWELL_STEPS = 8
+# Without model drafters, their estimates stop learning: every 256 steps the controller retries
+# them for one dwell, each request drafting at least one token, so a change (a lighter load, more
+# predictable text) is noticed. Where they do not pay this costs ~8 slower steps in 256 (~1%
+# at 0.7x speed), and nothing where even one token per request does not fit the plan's cap.
+_RETRY_INTERVAL_STEPS = 256
 
 
 class AdaptiveLookahead:
@@ -786,8 +817,15 @@ class AdaptiveLookahead:
         cost_window: int = _DEFAULT_COST_WINDOW,
         draft_window: int = _DEFAULT_DRAFT_WINDOW,
         probe_interval: int = _DEFAULT_PROBE_INTERVAL,
+        free_mode: bool = False,
     ) -> None:
         """See the module constants for the defaults' justification.
+
+        ``free_mode``: also consider, every step, leaving the model drafters out (drafts from
+        the model-free voters only, see ``choose``'s ``free_lens``), with its own step-cost
+        curve (`StepTiming.drafting` False: e.g. the target then has the cores it lends to
+        drafters) and its own acceptance model; the better of the two plans is taken, with a
+        margin and a minimum dwell against flapping.
 
         Raises:
             ValueError: naming the setting, when ``max_lookahead < 1``, ``min_lookahead`` is not
@@ -814,6 +852,14 @@ class AdaptiveLookahead:
             max_lookahead, request_half_life_steps, prior_strength, global_memory)
         self.step_cost = StepCostModel(cost_window)
         self.draft_cost = DraftCostModel(draft_window)
+        self.free_mode = free_mode
+        self.acceptance_free = AcceptanceModel(
+            max_lookahead, request_half_life_steps, prior_strength, global_memory)
+        self.step_cost_free = StepCostModel(cost_window)
+        self._models_on = True
+        self._switched_at = -_MIN_DWELL_STEPS
+        self._retry_until = 0  # model drafting retried until this step
+        self.switches = 0  # model drafting switched on or off by the greedy choice
         self._steps = 0  # choose() calls with at least one request
         self._explored_low = False
         self._background = 0.0
@@ -824,11 +870,17 @@ class AdaptiveLookahead:
         self._last: dict[str, Any] = {}
 
     # -- learning ---------------------------------------------------------------------------
+    @property
+    def models_on(self) -> bool:
+        return self._models_on
+
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
-        self.acceptance.observe(feedback)
+        # The feedback is about the drafts of the last choice, made in its mode.
+        (self.acceptance if self._models_on else self.acceptance_free).observe(feedback)
 
     def observe_step(self, timing: StepTiming) -> None:
-        self.step_cost.observe(timing.num_tokens, timing.seconds)
+        cost = self.step_cost if timing.drafting or not self.free_mode else self.step_cost_free
+        cost.observe(timing.num_tokens, timing.seconds)
         if self._planned_tokens is not None:
             # Verified drafts can be shorter than chosen (the vote, the scheduler), hence the
             # floor: background is then underestimated, never negative.
@@ -842,6 +894,7 @@ class AdaptiveLookahead:
     def forget(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
         self.acceptance.forget(req_ids)
+        self.acceptance_free.forget(req_ids)
         for req_id in req_ids:
             self._last_drafted.pop(req_id, None)
             self._expected.pop(req_id, None)
@@ -851,15 +904,20 @@ class AdaptiveLookahead:
         draft_s = self.draft_cost(max_k, num_drafted)
         return target_s + (max(0.0, draft_s - target_s) if self.pipelined else draft_s)
 
-    def choose(self, requests: Sequence[RequestView], max_lookahead: int) -> list[int]:
+    def choose(self, requests: Sequence[RequestView], max_lookahead: int,
+               free_lens: Sequence[int] | None = None) -> list[int]:
         """One lookahead per request in ``[min(min_lookahead, cap), cap]``, where ``cap =
-        min(self.max_lookahead, max_lookahead, room_for_drafts(r))``.
+        min(self.max_lookahead, max_lookahead, room_for_drafts(r))``; with ``free_mode`` and
+        the model drafters left out (`models_on` False), ``cap`` is also at most
+        ``free_lens[i]`` (0 where it is not given).
 
         Raises:
-            ValueError: when ``max_lookahead < 0``.
+            ValueError: when ``max_lookahead < 0`` or ``free_lens`` has another length.
         """
         _check_max_lookahead(max_lookahead)
         n = len(requests)
+        if free_lens is not None and len(free_lens) != n:
+            raise ValueError(f"got {len(free_lens)} free_lens for {n} requests")
         if n == 0:
             return []
         ids = [r.req_id for r in requests]
@@ -868,15 +926,46 @@ class AdaptiveLookahead:
         top = min(self.max_lookahead, max_lookahead)
         caps = [min(top, room_for_drafts(r)) for r in requests]
         lows = [min(self.min_lookahead, c) for c in caps]
+        cum = self._cumulative(self.acceptance, ids, caps)
+        models = True
+        if self.free_mode:
+            self.acceptance_free.tick(ids)
+            free_caps = [min(c, max(0, int(f))) for c, f in
+                         zip(caps, free_lens if free_lens is not None else [0] * n, strict=True)]
+            free_lows = [min(self.min_lookahead, c) for c in free_caps]
 
-        # Cumulative products q[j] = prod_{i<=j} p_i for j = 1..cap, per request.
-        cum: list[list[float]] = []
-        for req_id, cap in zip(ids, caps, strict=True):
-            qs, q = [], 1.0
-            for p in self.acceptance.request_acceptance(req_id)[:cap]:
-                q *= p
-                qs.append(q)
-            cum.append(qs)
+        if self.step_cost.is_empty:
+            ks, mode = list(caps), "explore-max"
+        elif not self._explored_low and len(self.step_cost.knots()) < 2 and lows != caps:
+            ks, mode = list(lows), "explore-min"
+            self._explored_low = True
+        elif self.free_mode and self.step_cost_free.is_empty:
+            # One step without model drafting, to measure what it costs.
+            models, ks, mode = False, list(free_caps), "explore-free"
+            caps, cum = free_caps, self._cumulative(self.acceptance_free, ids, free_caps)
+        elif (self.free_mode and not self._models_on
+              and self._steps - self._switched_at >= _RETRY_INTERVAL_STEPS):
+            ks, mode = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)], "retry"
+            self._switched_at, self._retry_until = self._steps, self._steps + _MIN_DWELL_STEPS
+            self.switches += 1
+        else:
+            if self._steps < self._retry_until:  # a retry drafts, or it learns nothing
+                lows = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)]
+            ks, rate = self._greedy(cum, caps, lows, self.step_cost, drafting=True)
+            mode = "greedy"
+            if self.free_mode:
+                cum_free = self._cumulative(self.acceptance_free, ids, free_caps)
+                ks_free, rate_free = self._greedy(cum_free, free_caps, free_lows,
+                                                  self.step_cost_free, drafting=False)
+                models = self._decide(rate, rate_free)
+                if not models:
+                    ks, mode, caps, cum = ks_free, "greedy-free", free_caps, cum_free
+        if models != self._models_on:
+            if mode.startswith("greedy"):
+                self._switched_at = self._steps
+                self.switches += 1
+            self._models_on = models
+
         expected = []
         for qs in cum:
             e = [1.0]
@@ -884,14 +973,6 @@ class AdaptiveLookahead:
                 e.append(e[-1] + q)
             expected.append(e)
         self._expected = dict(zip(ids, expected, strict=True))
-
-        if self.step_cost.is_empty:
-            ks, mode = list(caps), "explore-max"
-        elif not self._explored_low and len(self.step_cost.knots()) < 2 and lows != caps:
-            ks, mode = list(lows), "explore-min"
-            self._explored_low = True
-        else:
-            ks, mode = self._greedy(cum, caps, lows), "greedy"
 
         if self.probe_interval and self._steps % self.probe_interval == 0:
             candidates = [i for i in range(n) if ks[i] == 0 and caps[i] >= 1]
@@ -909,23 +990,46 @@ class AdaptiveLookahead:
         tokens = sum(1 + k for k in ks)
         self._planned_tokens = tokens
         total_tokens = self._background + tokens
-        target_s = self.step_cost(total_tokens)
+        target_s = (self.step_cost if models else self.step_cost_free)(total_tokens)
         num_drafted = sum(1 for k in ks if k > 0)
         max_k = max(ks)
         exp_tokens = sum(e[k] for e, k in zip(expected, ks, strict=True))
-        step_s = self._step_seconds(target_s, max_k, num_drafted)
+        step_s = self._step_seconds(target_s, max_k, num_drafted) if models else target_s
         hist: dict[str, int] = {}
         for k in ks:
             hist[str(k)] = hist.get(str(k), 0) + 1
         self._last = {
-            "mode": mode, "num_reqs": n, "num_drafted": num_drafted, "decode_tokens": tokens,
-            "total_tokens": total_tokens,
+            "mode": mode, "models_on": models, "num_reqs": n, "num_drafted": num_drafted,
+            "decode_tokens": tokens, "total_tokens": total_tokens,
             "expected_tokens": exp_tokens, "target_seconds": target_s, "step_seconds": step_s,
             "mean_lookahead": sum(ks) / n, "histogram": hist,
         }
         return ks
 
-    def _greedy(self, cum: list[list[float]], caps: list[int], lows: list[int]) -> list[int]:
+    @staticmethod
+    def _cumulative(model: AcceptanceModel, ids: list[str], caps: list[int]) -> list[list[float]]:
+        """Per request, ``q[j] = prod_{i<=j} p_i`` for ``j = 1..cap``."""
+        cum: list[list[float]] = []
+        for req_id, cap in zip(ids, caps, strict=True):
+            qs, q = [], 1.0
+            for p in model.request_acceptance(req_id)[:cap]:
+                q *= p
+                qs.append(q)
+            cum.append(qs)
+        return cum
+
+    def _decide(self, rate_models: float, rate_free: float) -> bool:
+        """Whether to draft with the model drafters, given both plans' predicted rates."""
+        if self._steps - self._switched_at < _MIN_DWELL_STEPS:
+            return self._models_on
+        if self._models_on:
+            return rate_models >= rate_free
+        return rate_models > rate_free * (1.0 + _SWITCH_MARGIN)
+
+    def _greedy(self, cum: list[list[float]], caps: list[int], lows: list[int],
+                target: StepCostModel, drafting: bool) -> tuple[list[int], float]:
+        """The allocation with the best predicted rate along the greedy path, and that rate;
+        ``drafting``: the model drafters' time counts (see the class docstring)."""
         ks = list(lows)
         gains = [
             (qs[j - 1], r, j)
@@ -939,14 +1043,15 @@ class AdaptiveLookahead:
         tokens = self._background + sum(1 + lo for lo in lows)
         num_drafted = sum(1 for lo in lows if lo > 0)
         max_k = max(lows)
-        best_rate = exp_tokens / max(self._step_seconds(self.step_cost(tokens), max_k,
-                                                        num_drafted), 1e-300)
+        t0 = target(tokens)
+        if drafting:
+            t0 = self._step_seconds(t0, max_k, num_drafted)
+        best_rate = exp_tokens / max(t0, 1e-300)
         best_len = 0
         levels = list(lows)
         # The loop below is _step_seconds inlined (it runs for every draft token of the batch).
-        target = self.step_cost
         c0, c1, c2 = self.draft_cost.coefficients
-        measured = self.draft_cost.num_observations > 0
+        measured = drafting and self.draft_cost.num_observations > 0
         pipelined = self.pipelined
         threshold = best_rate * (1.0 + _MIN_RELATIVE_GAIN)
         for idx, (g, r, j) in enumerate(gains, 1):
@@ -966,7 +1071,7 @@ class AdaptiveLookahead:
                 threshold = best_rate * (1.0 + _MIN_RELATIVE_GAIN)
         for _, r, j in gains[:best_len]:
             ks[r] = j
-        return ks
+        return ks, best_rate
 
     def wait_bound(
         self, requests: Sequence[RequestView], ready: Sequence[int], max_wait_s: float
@@ -1010,10 +1115,16 @@ class AdaptiveLookahead:
         for p in glob:
             q *= p
             e.append(e[-1] + q)
+        free = self.acceptance_free.global_acceptance()
         return {
             "policy": "adaptive",
             "pipelined": self.pipelined,
+            "free_mode": self.free_mode,
+            "models_on": self._models_on,
+            "switches": self.switches,
             "steps": self._steps,
+            "step_cost_free": self.step_cost_free.snapshot(),
+            "acceptance_free": [round(p, 4) for p in free],
             "step_cost": self.step_cost.snapshot(),
             "draft_cost": self.draft_cost.snapshot(),
             "background_tokens": round(self._background, 3),

@@ -31,7 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from vllm_smurfs import cores
 from vllm_smurfs.config import ModelDrafterConfig, NgramDrafterConfig, SmurfsConfig
+from vllm_smurfs.cores import ElasticThreads
 from vllm_smurfs.model_free import NgramVoter
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,8 @@ class ModelDrafterClient:
     """One small draft model in its own process, reached over a local socket."""
 
     def __init__(self, spec: ModelDrafterConfig, dtype: str, max_model_len: int,
-                 max_num_seqs: int, trust_remote_code: bool, hang_timeout_s: float) -> None:
+                 max_num_seqs: int, trust_remote_code: bool, hang_timeout_s: float,
+                 cpus: list[int] | None = None, num_threads: int | None = None) -> None:
         self.spec = spec
         self.name = spec.display_name
         self.health = DrafterHealth(self.name)
@@ -103,15 +106,17 @@ class ModelDrafterClient:
             "kv_cache_gib": spec.kv_cache_gib,
             "gpu_memory_utilization": spec.gpu_memory_utilization,
             "trust_remote_code": trust_remote_code,
-            "cpus": spec.cpus or _free_cpus(),
+            "cpus": cpus or spec.cpus or _allowed_cpus(),
             "name": self.name,
         }
+        self.num_threads = num_threads or spec.num_threads or 1
         self.hang_timeout_s = hang_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._listener: Listener | None = None
         self._paths: dict[str, _Path] = {}
         self._unacked = 0  # messages sent that the server has not acknowledged yet
+        self._tracking = False  # tracked something since the last pause
         self._last_heard = time.monotonic()
         #: (num_reqs, seconds) of engine steps not yet handed to the length controller
         self.step_timings: list[tuple[int, float]] = []
@@ -122,7 +127,7 @@ class ModelDrafterClient:
         authkey = secrets.token_bytes(16)
         address = os.path.join(tempfile.mkdtemp(prefix="smurfs-"), "drafter.sock")
         self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        env = _drafter_env(self.spec.num_threads)
+        env = _drafter_env(self.num_threads)
         env["SMURFS_DRAFTER_AUTHKEY"] = authkey.hex()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_smurfs.drafter_server", address,
@@ -196,7 +201,14 @@ class ModelDrafterClient:
             return False
         batch = [(req_id, np.asarray(context, dtype=np.int32), max_lead)
                  for req_id, context, max_lead in items if len(context) < self.max_model_len]
-        return bool(batch) and self._send(("track", batch))
+        sent = bool(batch) and self._send(("track", batch))
+        self._tracking |= sent
+        return sent
+
+    def pause(self) -> None:
+        """Stop drafting for every request until the next `track` (paths answer "stop")."""
+        if self.alive and self._tracking:
+            self._tracking = not self._send(("pause",))
 
     def draft_for(self, req_id: str, context: np.ndarray, k: int) -> list[int]:
         """Up to k tokens continuing ``context`` along this drafter's path (may be empty)."""
@@ -315,7 +327,10 @@ class ModelFreeDrafter:
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         self.health.steps_answered += 1
-        return [self._voter.propose(r.context, r.k) for r in requests]
+        return [self.draft(r) for r in requests]
+
+    def draft(self, request: DraftRequest) -> list[int]:
+        return self._voter.propose(request.context, request.k)
 
 
 class MultiDraftWorker:
@@ -325,13 +340,25 @@ class MultiDraftWorker:
                  trust_remote_code: bool = False) -> None:
         self.config = config
         self.drafters: list[ModelDrafterClient | ModelFreeDrafter] = []
-        for spec in config.drafters:
+        placements = _place_drafters(config) if config.model_drafters else {}
+        lent = 0
+        for index, spec in enumerate(config.drafters):
             if isinstance(spec, ModelDrafterConfig):
+                _, cpus, borrowed, threads = placements[index]
+                lent = max(lent, borrowed)
                 self.drafters.append(ModelDrafterClient(
                     spec, dtype, max_model_len, max_num_seqs, trust_remote_code,
-                    hang_timeout_s=config.draft_timeout_s))
+                    hang_timeout_s=config.draft_timeout_s, cpus=cpus, num_threads=threads))
             else:
                 self.drafters.append(ModelFreeDrafter(spec))
+        full = placements[next(iter(placements))][0] if placements else 1
+        #: The target's threads, lent in part to pipelined drafters sharing its cores.
+        self.elastic = ElasticThreads(full, min(lent, full - 1))
+        if placements:
+            logger.info("Smurfs placement: target %d threads, drafters on cores %s; %s",
+                        full, [p[1] for p in placements.values()],
+                        f"the target lends {self.elastic.lent_threads} thread(s) while model "
+                        "drafters draft" if self.elastic.enabled else "no core is shared")
 
     @property
     def names(self) -> list[str]:
@@ -356,14 +383,33 @@ class MultiDraftWorker:
         for drafter in self.model_drafters:
             drafter.poll()
 
-    def ready(self, requests: Sequence[DraftRequest]) -> list[list[list[int]]]:
-        """drafts[i][d]: drafter d's draft for requests[i] now (empty when it has none)."""
+    @property
+    def models_alive(self) -> bool:
+        return any(d.alive for d in self.model_drafters)
+
+    def free_lens(self, requests: Sequence[DraftRequest]) -> list[int]:
+        """Per request, the longest draft a model-free voter has for it now (microseconds)."""
+        free = [d for d in self.drafters if isinstance(d, ModelFreeDrafter)]
+        return [max((len(d.draft(r)) for d in free), default=0) for r in requests]
+
+    def use_models(self, on: bool) -> None:
+        """Model drafters draft (the target lends them the cores it shares with them) or are
+        paused (the target takes its cores back)."""
+        if not on:
+            for drafter in self.model_drafters:
+                drafter.pause()
+        self.elastic.lend(on)
+
+    def ready(self, requests: Sequence[DraftRequest],
+              models: bool = True) -> list[list[list[int]]]:
+        """drafts[i][d]: drafter d's draft for requests[i] now (empty when it has none; model
+        drafters' are left empty unless ``models``)."""
         drafts: list[list[list[int]]] = [[[] for _ in self.drafters] for _ in requests]
         for d, drafter in enumerate(self.drafters):
             if isinstance(drafter, ModelFreeDrafter):
                 for i, tokens in enumerate(drafter.propose(requests)):
                     drafts[i][d] = tokens
-            else:
+            elif models:
                 for i, r in enumerate(requests):
                     drafts[i][d] = drafter.draft_for(r.req_id, r.context, r.k)
         return drafts
@@ -426,19 +472,44 @@ class MultiDraftWorker:
         return [d.health for d in self.drafters]
 
     def close(self) -> None:
+        self.elastic.close()
         for drafter in self.model_drafters:
             drafter.close()
 
 
-def _free_cpus() -> list[int]:
-    """Cores this process's compute threads are not bound to (all cores if it is unbound).
+def _allowed_cpus() -> list[int]:
+    """Every core some thread of this process may use (vLLM binds each compute thread to one)."""
+    allowed: set[int] = set()
+    for affinity in cores.thread_affinities():
+        allowed |= affinity
+    try:
+        allowed |= os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        pass
+    return sorted(allowed) or list(range(os.cpu_count() or 1))
 
-    vLLM binds the target worker's threads to its cores (core 0 of 2 here, by default): drafters
-    go to the others, so drafting and verification do not fight over a core.
-    """
-    every = set(range(os.cpu_count() or 1))
-    free = every - os.sched_getaffinity(0)
-    return sorted(free or every)
+
+def _place_drafters(config: SmurfsConfig) -> dict[int, tuple[int, list[int], int, int]]:
+    """Per model drafter (by index in ``config.drafters``): (target threads, its cores, target
+    threads it borrows, its threads). See `cores.plan_placement`: cores the target leaves free
+    first; a synchronous drafter on the target's cores takes the target's thread count."""
+    threads = cores.spin_up_threads()
+    bound = cores.target_cpus(threads)
+    every = _allowed_cpus()
+    out = {}
+    for index, spec in enumerate(config.drafters):
+        if not isinstance(spec, ModelDrafterConfig):
+            continue
+        own = spec.num_threads or 1
+        if bound is None:
+            # The target's threads float over every core: nothing to lend, nothing is free.
+            cpus, borrowed = (sorted(set(spec.cpus)) if spec.cpus else every), 0
+        else:
+            cpus, borrowed = cores.plan_placement(bound, every, spec.cpus, own, config.pipeline)
+        shares_turns = bound is not None and not config.pipeline and set(cpus) <= set(bound)
+        out[index] = (threads, cpus, borrowed,
+                      spec.num_threads or (threads if shares_turns else 1))
+    return out
 
 
 def _drafter_env(num_threads: int) -> dict[str, str]:

@@ -43,6 +43,10 @@ from vllm_smurfs.vote_sampler import (
 
 logger = logging.getLogger(__name__)
 
+# Steps after model drafters start (or restart) drafting whose undelivered lookahead is not held
+# against them: they are prefilling the requests' contexts; the policy's switch margin covers it.
+_WARM_UP_STEPS = 2
+
 
 @dataclass(frozen=True)
 class StepContext:
@@ -63,6 +67,7 @@ class _RequestState:
     weights: DrafterWeights
     drafts: list[list[int]] | None = None  # each drafter's draft of the last step
     voted: list[int] | None = None  # the chain sent to the target last step
+    chosen: int = 0  # the lookahead the policy chose for it last step
 
 
 @dataclass
@@ -91,6 +96,7 @@ class SmurfsStats:
     accepted_tokens: int = 0
     requests_drafted: int = 0  # (request, step) pairs with a lookahead > 0
     requests_without_draft: int = 0  # of those, the ones no drafter had anything ready for
+    steps_without_models: int = 0  # steps the policy left the model drafters out of
     target_step_s: float = 0.0  # time between our return and the next call: the target's steps
     wait_s: float = 0.0  # time propose() waited for drafts
     proposer_s: float = 0.0  # time in propose(), waits included
@@ -105,6 +111,7 @@ class SmurfsStats:
                 "mean_acceptance_length": None if mean is None else round(mean, 4),
                 "requests_drafted": self.requests_drafted,
                 "requests_without_draft": self.requests_without_draft,
+                "steps_without_models": self.steps_without_models,
                 "target_step_s": round(self.target_step_s, 4), "wait_s": round(self.wait_s, 4),
                 "proposer_s": round(self.proposer_s, 4),
                 "drafters": [d.as_dict() for d in self.drafters]}
@@ -116,7 +123,11 @@ def make_policy(config: SmurfsConfig) -> LookaheadPolicy:
         return FixedLookahead(config.num_speculative_tokens)
     return AdaptiveLookahead(config.num_speculative_tokens,
                              min_lookahead=config.lookahead.min_tokens,
-                             pipelined=config.pipeline)
+                             pipelined=config.pipeline,
+                             # min_tokens >= 1 asks for model drafts in every step.
+                             free_mode=config.lookahead.pause_drafters
+                             and bool(config.model_drafters)
+                             and config.lookahead.min_tokens == 0)
 
 
 class SmurfsProposer:
@@ -148,6 +159,8 @@ class SmurfsProposer:
             path = self.config.trace_file
             self._trace = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._last_req_ids: frozenset[str] = frozenset()
+        self._models_drafting = True  # whether model drafters drafted for the last step
+        self._drafting_steps = 0  # consecutive steps with model drafting, up to now
 
     # -- vLLM's proposer interface ------------------------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
@@ -177,7 +190,7 @@ class SmurfsProposer:
             step_s = called - self._returned_at
             self.stats.target_step_s += step_s
             self.policy.observe_step(StepTiming(len(step.req_ids), step.num_scheduled_tokens,
-                                                step_s))
+                                                step_s, drafting=self._models_drafting))
         self._last_req_ids = frozenset(step.req_ids)
         self.forget(step.finished_req_ids | step.restarted_req_ids)
         feedback = self._learn(step, sampled_token_ids)
@@ -194,25 +207,36 @@ class SmurfsProposer:
                  for i in rows]
         max_lookahead = min(step.max_spec_tokens or self.num_speculative_tokens,
                             self.num_speculative_tokens)
-        lookaheads = self.policy.choose(views, max_lookahead)
-        chosen = [(i, view, k) for i, view, k in zip(rows, views, lookaheads) if k > 0]
-        requests = [DraftRequest(view.req_id, token_ids_cpu[i, : view.num_tokens].copy(), k)
-                    for i, view, k in chosen]
-        drafts = self._collect(requests, [view for _, view, _ in chosen])
+        contexts = [token_ids_cpu[i, : view.num_tokens].copy() for i, view in zip(rows, views)]
+        free_lens = self.worker.free_lens([DraftRequest(view.req_id, context, max_lookahead)
+                                           for view, context in zip(views, contexts)])
+        lookaheads = self.policy.choose(views, max_lookahead, free_lens)
+        # Model drafters draft (and borrow the cores they share with the target) only for a
+        # step the policy gives to them and that drafts anything.
+        models = (self.policy.models_on and any(lookaheads) and self.worker.models_alive)
+        if models != self._models_drafting:
+            self.worker.use_models(models)
+        self._models_drafting = models
+        self._drafting_steps = self._drafting_steps + 1 if models else 0
+        self.stats.steps_without_models += not models
+        chosen = [(i, view, k, context) for i, view, k, context
+                  in zip(rows, views, lookaheads, contexts) if k > 0]
+        requests = [DraftRequest(view.req_id, context, k) for _, view, k, context in chosen]
+        drafts = self._collect(requests, [view for _, view, _, _ in chosen], models)
 
         proposals: list[list[int]] = [[] for _ in sampled_token_ids]
         for state in (self._states.get(step.req_ids[i]) for i in rows):
             if state is not None:
                 state.drafts = state.voted = None
         voted = []
-        for (row, _, _), request, per_drafter in zip(chosen, requests, drafts):
+        for (row, _, _, _), request, per_drafter in zip(chosen, requests, drafts):
             state = self._state(request.req_id)
             vote = weighted_prefix_vote(per_drafter, state.weights.weights, max_len=request.k)
-            state.drafts, state.voted = per_drafter, vote.tokens
+            state.drafts, state.voted, state.chosen = per_drafter, vote.tokens, request.k
             proposals[row] = vote.tokens
             voted.append(vote.tokens)
             self._count_proposal(vote.tokens, vote.winner)
-        if self.config.pipeline:
+        if self.config.pipeline and models:
             # Drafters go on past the chains while the target verifies them.
             self.worker.track(requests, voted, [self._max_lead(r.k) for r in requests])
         self.stats.steps += 1
@@ -221,14 +245,15 @@ class SmurfsProposer:
         self.stats.proposer_s += self._returned_at - called
         return proposals
 
-    def _collect(self, requests: list[DraftRequest],
-                 views: list[RequestView]) -> list[list[list[int]]]:
-        """Every drafter's draft of every request: what is ready, after waiting if worth it."""
+    def _collect(self, requests: list[DraftRequest], views: list[RequestView],
+                 models: bool) -> list[list[list[int]]]:
+        """Every drafter's draft of every request: what is ready, after waiting if worth it
+        (only the model-free voters' unless ``models``)."""
+        self.worker.poll()
         if not requests:
             return []
-        self.worker.poll()
         started = time.perf_counter()
-        if self.config.pipeline:
+        if models and self.config.pipeline:
             # Drafters stream: wait one drafter step at a time while the policy finds the
             # tokens it brings worth the step's time, within draft_wait_s in all.
             budget = self.config.draft_wait_s
@@ -239,12 +264,12 @@ class SmurfsProposer:
                 if wait_s <= 0:
                     break
                 self.worker.wait([requests[i] for i, _ in late], wait_s)
-        else:
+        elif models:
             # Synchronous: draft exactly what this step verifies, then wait for it.
             self.worker.track(requests, [[] for _ in requests], [r.k for r in requests])
             self.worker.wait(requests, self.config.draft_timeout_s)
         self.stats.wait_s += time.perf_counter() - started
-        drafts = self.worker.ready(requests)
+        drafts = self.worker.ready(requests, models)
         self.stats.requests_drafted += len(requests)
         self.stats.requests_without_draft += sum(1 for per in drafts if not any(per))
         return drafts
@@ -280,9 +305,14 @@ class SmurfsProposer:
                 continue
             verified = (state.voted if step.verified_drafts is None
                         else step.verified_drafts.get(req_id, []))
+            # The policy learns what a lookahead brings: chosen tokens no drafter had ready in
+            # time count as rejected (the scheduler's own cuts do not).
+            shortfall = (max(0, state.chosen - len(state.voted))
+                         if self._drafting_steps > _WARM_UP_STEPS else 0)
+            accepted = matched_prefix_len(verified, produced)
+            if verified or shortfall:
+                feedback.append(StepFeedback(req_id, len(verified) + shortfall, accepted))
             if verified:
-                accepted = matched_prefix_len(verified, produced)
-                feedback.append(StepFeedback(req_id, len(verified), accepted))
                 self.stats.verified_drafts += 1
                 self.stats.verified_draft_tokens += len(verified)
                 self.stats.accepted_tokens += accepted

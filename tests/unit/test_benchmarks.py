@@ -88,9 +88,9 @@ def test_selection_takes_categories_in_turn_first_turn_only_and_skips_refused_ro
 def test_method_labels_and_default_placements_on_two_cores():
     specs = parse_methods("none, ngram:4, draft_model:2@1thread, smurfs:4, suffix:3@auto", 2)
     assert [s.label for s in specs] == ["none@2threads", "ngram:4@2threads",
-                                        "draft_model:2@1thread", "smurfs:4@1thread",
+                                        "draft_model:2@1thread", "smurfs:4@2threads",
                                         "suffix:3@auto"]
-    assert parse_method("smurfs:4", 1).placement == Placement(1)  # no spare core: share it
+    assert parse_method("smurfs:4", 1).placement == Placement(1)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -133,13 +133,13 @@ def test_speculative_configs():
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
     assert speculative_config(parse_method("draft_model:6", 2), settings, cpus)["model"] == "/d0"
-    smurfs = speculative_config(parse_method("smurfs:4", 2), settings, cpus)
+    smurfs = speculative_config(parse_method("smurfs:4@1thread", 2), settings, cpus)
     assert smurfs["drafters"][:2] == [{"model": "/d0", "num_threads": 1, "cpus": [1]},
                                       {"model": "/d1", "num_threads": 1, "cpus": [1]}]
     assert smurfs["drafters"][2]["method"] == "ngram" and smurfs["draft_timeout_s"] == 5.0
     shared = speculative_config(parse_method("smurfs:4@2threads", 2), settings, cpus)
-    # No free core: the drafters take turns with the target on its cores, with its thread count.
-    assert shared["drafters"][0] == {"model": "/d0", "num_threads": 2, "cpus": [0, 1]}
+    # No free core: the plugin places the drafters (vllm_smurfs.cores.plan_placement).
+    assert shared["drafters"][0] == {"model": "/d0"}
     with pytest.raises(ValueError, match="--draft"):
         speculative_config(parse_method("draft_model:2", 2), MethodSettings(), cpus)
 
@@ -424,7 +424,7 @@ def test_smurfs_variants_run_side_by_side():
 
     variants = parse_variants(['sync={"pipeline": false}', 'wait={"draft_wait_s": 0.5}'])
     specs = parse_methods("smurfs:4,smurfs/sync:4", 2, variants)
-    assert [s.label for s in specs] == ["smurfs:4@1thread", "smurfs/sync:4@1thread"]
+    assert [s.label for s in specs] == ["smurfs:4@2threads", "smurfs/sync:4@2threads"]
     # MethodSettings.smurfs_variants became `variants` (any method takes one now).
     settings = MethodSettings(drafts=("/d",), smurfs_extra=(("pipeline", True),),
                               variants=MethodSettings.variants_of(variants))
@@ -473,7 +473,7 @@ def test_built_in_variants_are_known_and_replaceable():
     assert variants["table"]["num_speculative_tokens_per_batch_size"] == TABLE
     # The full mode's methods use built-in variants only: they parse with no --variant.
     labels = [s.label for s in parse_methods(FULL_METHODS, 2, variants)]
-    assert "smurfs/sync:2@2threads" in labels and "smurfs/fixed:4@1thread" in labels
+    assert "smurfs/sync:2@2threads" in labels and "smurfs/fixed:4@2threads" in labels
     mine = all_variants(['sync={"pipeline": false}', 'wait={"draft_wait_s": 0.5}'])
     assert mine["sync"] == {"pipeline": False} and mine["wait"] == {"draft_wait_s": 0.5}
     assert mine["fixed"] == PRESET_VARIANTS["fixed"]

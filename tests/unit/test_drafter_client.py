@@ -101,6 +101,18 @@ def test_no_room_left_means_no_request(drafter):
     assert [kind for _, kind, _ in drafter.take_records()] == ["reset", "stop"]
 
 
+def test_pause_stops_every_request_and_says_so(drafter):
+    drafter.track("r", ctx(1, 2), max_lead=8)
+    drafter.track("s", ctx(5), max_lead=8)
+    run(drafter, 1)
+    drafter.pause()
+    assert sorted(drafter.engine.aborted) == ["r#1", "s#1"] and not drafter.engine.busy()
+    assert drafter.tracks == {}
+    assert sorted(drafter.take_records()) == [("r", "stop", None), ("s", "stop", None)]
+    drafter.track("r", ctx(1, 2, 3), max_lead=8)  # tracked again: it restarts
+    assert drafter.engine.added[-1] == ("r#1", [1, 2, 3], 8)
+
+
 # -- the client -------------------------------------------------------------------------------
 @pytest.fixture
 def client_and_server():
@@ -146,6 +158,22 @@ def test_forget_drops_paths_and_tells_the_server(client_and_server):
     client.forget(["r"])
     assert client.draft_for("r", ctx(1), 2) == []
     assert taken(server) == [("forget", ["r"])]
+
+
+def test_pause_is_sent_once_after_tracking_and_stops_the_client_waiting(client_and_server):
+    client, server = client_and_server
+    client.pause()
+    assert taken(server) == []  # nothing tracked: nothing to pause
+    client.track([("r", ctx(1), 4)])
+    client.pause()
+    client.pause()
+    assert [m[0] for m in taken(server)] == ["track", "pause"]
+    # The server's answer: what it had drafted, then "stop" for the paused request.
+    server.send(("update", 2, [("r", "reset", ctx(1)), ("r", "extend", (1, ctx(2))),
+                               ("r", "stop", None)], []))
+    client.poll(1.0)
+    assert not client.is_drafting("r", ctx(1))  # no wait for a paused request
+    assert client.draft_for("r", ctx(1), 4) == [2]
 
 
 def test_a_silent_drafter_is_skipped_then_left_out(client_and_server):

@@ -735,3 +735,76 @@ def test_module_imports_only_the_stdlib() -> None:
         elif isinstance(node, ast.ImportFrom):
             roots.add((node.module or "").split(".")[0])
     assert roots <= set(sys.stdlib_module_names) | {"__future__"}, sorted(roots)
+
+
+# -------------------------------------------------------------- free mode (model drafters out)
+
+
+def _run_modes(pol: AdaptiveLookahead, steps: int, *, full_s: float, free_s: float,
+               full_p: float, free_p: float, free_len: int, n: int = 1,
+               seed: int = 0) -> list[bool]:
+    """Drive ``pol`` like the proposer: a step with model drafting takes ``full_s`` and its
+    drafts are accepted per position with ``full_p``; one without takes ``free_s`` and the
+    model-free voters have ``free_len`` tokens, accepted with ``free_p``. Per step: models_on."""
+    rng = random.Random(seed)
+    reqs = _reqs(n)
+    modes = []
+    for _ in range(steps):
+        ks = pol.choose(reqs, 6, [free_len] * n)
+        drafting = pol.models_on and any(ks)
+        modes.append(pol.models_on)
+        p = full_p if pol.models_on else free_p
+        feedback = []
+        for r, k in zip(reqs, ks, strict=True):
+            if k:
+                accepted = 0
+                while accepted < k and rng.random() < p:
+                    accepted += 1
+                feedback.append(StepFeedback(r.req_id, k, accepted))
+        pol.observe_step(StepTiming(n, sum(1 + k for k in ks),
+                                    full_s if drafting else free_s, drafting=drafting))
+        pol.observe(feedback)
+    return modes
+
+
+def test_free_mode_leaves_model_drafters_out_when_they_cost_more_than_they_bring() -> None:
+    # The 2-core case: model drafting costs the target a core (0.32 s vs 0.22 s per step) and
+    # brings 0.55 per position; the n-gram voter has 3 tokens at 0.6 for free.
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol, 700, full_s=0.32, free_s=0.22, full_p=0.55, free_p=0.6, free_len=3)
+    assert modes[:3] == [True, True, False]  # explore: longest, shortest, then without models
+    assert not any(modes[30:250])  # settled without model drafters
+    # ... retrying them for one dwell every 256 steps (the load or the text may have changed).
+    runs = [(on, len(list(g))) for on, g in itertools.groupby(modes[250:])]
+    assert [n for on, n in runs if on] == [length_controller._MIN_DWELL_STEPS] * 2
+    assert sum(modes) / len(modes) < 0.05 and pol.snapshot()["models_on"] is False
+
+
+def test_free_mode_keeps_model_drafters_when_they_pay() -> None:
+    # A spare core: drafting hides behind a step that costs the same either way, and the model
+    # drafts (0.85) beat a voter with nothing ready.
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol, 200, full_s=0.22, free_s=0.22, full_p=0.85, free_p=0.6, free_len=0)
+    assert all(modes[-190:])
+    assert pol.switches <= 1
+
+
+def test_free_mode_caps_lookaheads_at_what_the_voters_have_and_keeps_a_dwell() -> None:
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    _run_modes(pol, 60, full_s=0.32, free_s=0.22, full_p=0.3, free_p=0.9, free_len=2, n=4)
+    assert not pol.models_on
+    ks = pol.choose(_reqs(4), 6, [2, 0, 5, 1])
+    assert all(k <= cap for k, cap in zip(ks, [2, 0, 5, 1], strict=True))
+    # A switch is kept for at least the dwell, however the estimates move.
+    pol2 = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol2, 80, full_s=0.32, free_s=0.22, full_p=0.5, free_p=0.5, free_len=2)
+    runs = [len(list(g)) for _, g in itertools.groupby(modes[3:])]
+    assert all(r >= length_controller._MIN_DWELL_STEPS for r in runs[:-1])
+    with pytest.raises(ValueError, match="free_lens"):
+        pol.choose(_reqs(2), 6, [1])
+
+
+def test_without_free_mode_the_mode_never_changes() -> None:
+    pol = AdaptiveLookahead(6, probe_interval=0)
+    modes = _run_modes(pol, 50, full_s=0.32, free_s=0.22, full_p=0.1, free_p=0.9, free_len=3)
+    assert all(modes) and pol.switches == 0

@@ -25,6 +25,9 @@ class ScriptedWorker:
         self.asked: list = []
         self.ahead: list = []
         self.forgotten: list = []
+        self.models_alive = True
+        self.free: list[int] | None = None  # free_lens answer (default: none ready)
+        self.models_used: list[bool] = []
 
     def start(self):
         pass
@@ -38,10 +41,16 @@ class ScriptedWorker:
     def wait(self, requests, timeout_s):
         return True
 
-    def ready(self, requests):
+    def ready(self, requests, models=True):
         self.asked.append([(r.req_id, len(r.context), r.k) for r in requests])
-        return [[self.script[d](r.context, r.k) for d in range(len(self.names))]
+        return [[self.script[d](r.context, r.k) if models else [] for d in range(len(self.names))]
                 for r in requests]
+
+    def free_lens(self, requests):
+        return list(self.free) if self.free is not None else [0] * len(requests)
+
+    def use_models(self, on):
+        self.models_used.append(on)
 
     def track(self, requests, chains, max_lead):
         self.ahead.append([(r.req_id, list(chain)) for r, chain in zip(requests, chains)])
@@ -134,3 +143,63 @@ def test_trace_file_records_verified_drafts_for_the_simulator(monkeypatch, tmp_p
     assert traced.seconds >= 0 and traced.step == 1
     assert [(r.req_id, r.position, r.k, r.accepted) for r in traced.requests] == [
         ("a", 10, 4, 2), ("b", 20, 4, 0)]
+
+
+class _ScriptedPolicy:
+    """A policy answering a fixed lookahead and mode, recording what it is told."""
+
+    def __init__(self, k, models_on):
+        self.k, self.models_on = k, models_on
+        self.feedback, self.timings, self.free_lens = [], [], []
+
+    def observe(self, feedback):
+        self.feedback.extend(feedback)
+
+    def observe_step(self, timing):
+        self.timings.append(timing)
+
+    def observe_draft(self, timing):
+        pass
+
+    def choose(self, requests, max_lookahead, free_lens=None):
+        self.free_lens.append(list(free_lens))
+        return [min(self.k, f) if not self.models_on else self.k for f in free_lens]
+
+    def wait_bound(self, requests, ready, max_wait_s):
+        return 0.0
+
+    def forget(self, req_ids):
+        pass
+
+
+def test_a_step_without_model_drafters_pauses_them_and_drafts_model_free_only(proposer):
+    proposer.policy = _ScriptedPolicy(2, models_on=False)
+    proposer.worker.free = [3, 0]
+    out = step(proposer, ["a", "b"], [[5], [6]], [10, 12])
+    assert proposer.policy.free_lens == [[3, 0]]  # the policy saw what the voters have ready
+    assert proposer.worker.models_used == [False]  # paused (and the target keeps its cores)
+    assert proposer.worker.ahead == []  # nothing tracked: no model drafter works this step
+    assert out == [[], []]  # the scripted drafters are model drafters: left out
+    assert proposer.stats.steps_without_models == 1
+    # The next step's timing is filed under "no model drafting".
+    step(proposer, ["a", "b"], [[5], [6]], [11, 13])
+    assert proposer.policy.timings[-1].drafting is False
+    proposer.policy.models_on = True
+    step(proposer, ["a", "b"], [[5], [6]], [12, 14])
+    assert proposer.worker.models_used == [False, True]
+    assert proposer.policy.timings[-1].drafting is False
+
+
+def test_lookahead_no_drafter_delivered_counts_as_rejected_for_the_policy(proposer):
+    proposer.policy = _ScriptedPolicy(4, models_on=True)
+    proposer.worker.script = [lambda ctx, k: [7, 8][:k], lambda ctx, k: []]
+    step(proposer, ["a"], [[5]], [10])  # chose 4, the drafters had 2 ready: [7, 8] verified
+    step(proposer, ["a"], [[7, 1]], [13])  # the target accepted 7, then produced 1
+    # While the drafters warm up (prefilling), what they had not ready is not held against them.
+    assert [(f.num_draft_tokens, f.num_accepted) for f in proposer.policy.feedback] == [(2, 1)]
+    step(proposer, ["a"], [[7, 1]], [15])
+    step(proposer, ["a"], [[7, 1]], [17])
+    fb = proposer.policy.feedback[-1]
+    assert (fb.num_draft_tokens, fb.num_accepted) == (4, 1)  # then undelivered = rejected
+    stats = proposer.stats  # the reported acceptance stays about verified tokens
+    assert (stats.verified_draft_tokens, stats.accepted_tokens) == (6, 3)
