@@ -269,7 +269,9 @@ def pipeline_figures(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None
     - ``wait_s``: seconds the target's worker waited for drafts (in ``propose``);
     - ``hidden_share``: 1 - wait_s / drafter_busy_s, the share of drafting time that ran while
       the target computed (synchronous drafting waits for all of it: about 0; clamped to [0, 1]);
-    - ``wait_share``: wait_s over the generation seconds.
+    - ``wait_share``: wait_s over the generation seconds;
+    - ``no_models_share``: the share of steps the lookahead policy left the model drafters out of
+      (model-free drafts only, or none; None for stats without that counter).
     """
     stats = [(r["smurfs_stats"], r.get("elapsed_s", 0.0)) for r in records
              if r.get("smurfs_stats")]
@@ -280,10 +282,14 @@ def pipeline_figures(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None
     wait_s = sum(s["wait_s"] for s, _ in stats)
     busy_s = sum(d.get("busy_s", 0.0) for s, _ in stats for d in s["drafters"])
     elapsed_s = sum(e for _, e in stats)
+    steps = sum(s.get("steps", 0) for s, _ in stats)
+    no_models = (sum(s["steps_without_models"] for s, _ in stats)
+                 if all("steps_without_models" in s for s, _ in stats) else None)
     hidden = None if busy_s <= 0 else min(1.0, max(0.0, 1.0 - wait_s / busy_s))
     return {"requests_drafted": drafted, "requests_without_draft": without,
             "no_draft_share": ratio(without, drafted), "drafter_busy_s": round(busy_s, 3),
             "wait_s": round(wait_s, 3), "hidden_share": hidden,
             "wait_share": ratio(wait_s, elapsed_s),
+            "no_models_share": None if no_models is None else ratio(no_models, steps),
             "engine_steps": sum(d.get("engine_steps", 0) for s, _ in stats
                                 for d in s["drafters"])}

@@ -15,7 +15,7 @@ from benchmarks.spec_bench import FAMILIES
 DEFAULT_DATASET = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data", "spec_bench",
                                                 "question.jsonl"))
 FULL_METHODS = ("none,none@1thread,ngram:4,draft_model:2,draft_model:4,draft_model:6,suffix:4,"
-                "smurfs:6,smurfs/fixed:2,smurfs/fixed:4,smurfs/sync:2@2threads")
+                "smurfs:6,smurfs:6@1thread,smurfs/fixed:2,smurfs/fixed:4,smurfs/sync:2")
 QUICK_METHODS = "none,ngram:4,draft_model:4,smurfs:4"
 #: (prompts per family, max_tokens) of each mode. Full is sized to finish batch 1 of every
 #: method in about an hour on a 2-core machine; `--prompts-per-family 0 --max-tokens 256` is

@@ -203,16 +203,16 @@ def _pipeline_section(rows: dict[str, Any]) -> list[str]:
     """Smurfs' own figures at batch 1 (from its stats, `analysis.pipeline_figures`)."""
     body = [[label, str(p["requests_drafted"]), fmt(p["no_draft_share"]),
              fmt(p["drafter_busy_s"], 1), fmt(p["wait_s"], 1), fmt(p["hidden_share"]),
-             fmt(p["wait_share"])]
+             fmt(p["wait_share"]), fmt(p.get("no_models_share"))]
             for label, r in rows.items() if (p := r.get("pipeline"))]
     if not body:
         return []
     return ["Smurfs pipeline: (request, step) pairs given a lookahead, the share with no draft "
             "ready, seconds the drafters computed and the target waited for them, the share of "
-            "drafting hidden behind verification (1 - waited / computed) and of generation time "
-            "spent waiting:", "",
+            "drafting hidden behind verification (1 - waited / computed), of generation time "
+            "spent waiting, and of steps the lookahead policy left the model drafters out of:", "",
             table(["method", "drafted steps", "no draft ready", "drafter busy s", "waited s",
-                   "hidden", "waiting share"], body), ""]
+                   "hidden", "waiting share", "steps without models"], body), ""]
 
 
 def _placement_section(result: dict[str, Any]) -> list[str]:

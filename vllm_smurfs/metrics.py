@@ -19,7 +19,8 @@ from typing import Any
 #: Cumulative fields of `get_smurfs_stats`' totals and of each drafter's entry; the other fields
 #: (weights, health, derived ratios) describe the moment of the snapshot.
 TOTAL_COUNTERS = ("steps", "proposed_drafts", "verified_drafts", "verified_draft_tokens",
-                  "accepted_tokens", "requests_drafted", "requests_without_draft")
+                  "accepted_tokens", "requests_drafted", "requests_without_draft",
+                  "steps_without_models")
 SECONDS_COUNTERS = ("target_step_s", "wait_s", "proposer_s")
 DRAFTER_COUNTERS = ("vote_wins", "drafted_tokens", "accepted_tokens", "steps_late",
                     "engine_steps")

@@ -159,7 +159,9 @@ class SmurfsProposer:
             path = self.config.trace_file
             self._trace = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._last_req_ids: frozenset[str] = frozenset()
-        self._models_drafting = True  # whether model drafters drafted for the last step
+        # Whether model drafters drafted for the last step (none yet: the first step that gives
+        # them work also makes the target lend them its shared cores).
+        self._models_drafting = False
         self._drafting_steps = 0  # consecutive steps with model drafting, up to now
 
     # -- vLLM's proposer interface ------------------------------------------------------------

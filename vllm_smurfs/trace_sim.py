@@ -170,7 +170,9 @@ class TraceRequest:
 
     req_id: str
     position: int  # where the step's first new token goes (only differences matter)
-    k: int  # draft tokens verified in this step
+    # Lookahead of this step as the controller learns it: the draft tokens verified, plus those
+    # chosen but not ready in time (counted as rejected; not in a drafter's first 2 steps).
+    k: int
     accepted: int  # of those, accepted by the target
 
     def __post_init__(self) -> None:

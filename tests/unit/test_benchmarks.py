@@ -473,7 +473,7 @@ def test_built_in_variants_are_known_and_replaceable():
     assert variants["table"]["num_speculative_tokens_per_batch_size"] == TABLE
     # The full mode's methods use built-in variants only: they parse with no --variant.
     labels = [s.label for s in parse_methods(FULL_METHODS, 2, variants)]
-    assert "smurfs/sync:2@2threads" in labels and "smurfs/fixed:4@2threads" in labels
+    assert "smurfs/sync:2@2threads" in labels and "smurfs:6@1thread" in labels
     mine = all_variants(['sync={"pipeline": false}', 'wait={"draft_wait_s": 0.5}'])
     assert mine["sync"] == {"pipeline": False} and mine["wait"] == {"draft_wait_s": 0.5}
     assert mine["fixed"] == PRESET_VARIANTS["fixed"]
@@ -731,9 +731,10 @@ def test_compare_reads_a_schema_1_result_as_its_concurrency():
 def test_pipeline_figures_from_smurfs_stats():
     from benchmarks.analysis import pipeline_figures
 
-    def record(drafted, without, wait_s, busy_s, elapsed_s):
+    def record(drafted, without, wait_s, busy_s, elapsed_s, steps=10, no_models=5):
         return {"elapsed_s": elapsed_s, "smurfs_stats": {
             "requests_drafted": drafted, "requests_without_draft": without, "wait_s": wait_s,
+            "steps": steps, "steps_without_models": no_models,
             "drafters": [{"name": "ssm", "busy_s": busy_s, "engine_steps": 10},
                          {"name": "ngram", "vote_wins": 3}]}}
 
@@ -743,6 +744,6 @@ def test_pipeline_figures_from_smurfs_stats():
     assert figures["requests_drafted"] == 20 and figures["no_draft_share"] == 0.25
     assert figures["drafter_busy_s"] == 8.0 and figures["wait_s"] == 2.0
     assert figures["hidden_share"] == 0.75 and figures["wait_share"] == 0.1
-    assert figures["engine_steps"] == 20
+    assert figures["engine_steps"] == 20 and figures["no_models_share"] == 0.5
     # Synchronous drafting waits for all of it (and a little more): nothing hidden, clamped.
     assert pipeline_figures([record(5, 0, 3.5, 3.0, 9.0)])["hidden_share"] == 0.0

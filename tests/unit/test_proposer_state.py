@@ -177,7 +177,7 @@ def test_a_step_without_model_drafters_pauses_them_and_drafts_model_free_only(pr
     proposer.worker.free = [3, 0]
     out = step(proposer, ["a", "b"], [[5], [6]], [10, 12])
     assert proposer.policy.free_lens == [[3, 0]]  # the policy saw what the voters have ready
-    assert proposer.worker.models_used == [False]  # paused (and the target keeps its cores)
+    assert proposer.worker.models_used == []  # nothing to pause: the target keeps its cores
     assert proposer.worker.ahead == []  # nothing tracked: no model drafter works this step
     assert out == [[], []]  # the scripted drafters are model drafters: left out
     assert proposer.stats.steps_without_models == 1
@@ -186,8 +186,18 @@ def test_a_step_without_model_drafters_pauses_them_and_drafts_model_free_only(pr
     assert proposer.policy.timings[-1].drafting is False
     proposer.policy.models_on = True
     step(proposer, ["a", "b"], [[5], [6]], [12, 14])
-    assert proposer.worker.models_used == [False, True]
+    assert proposer.worker.models_used == [True]  # the drafters get work and the shared cores
     assert proposer.policy.timings[-1].drafting is False
+    proposer.policy.models_on = False
+    step(proposer, ["a", "b"], [[5], [6]], [13, 15])
+    assert proposer.worker.models_used == [True, False]
+    assert proposer.policy.timings[-1].drafting is True
+
+
+def test_the_first_drafting_step_lends_the_shared_cores(proposer):
+    step(proposer, ["a"], [[5]], [10])  # fixed policy: every step drafts with the models
+    step(proposer, ["a"], [[5]], [11])
+    assert proposer.worker.models_used == [True]
 
 
 def test_lookahead_no_drafter_delivered_counts_as_rejected_for_the_policy(proposer):
