@@ -340,23 +340,22 @@ class MultiDraftWorker:
                  trust_remote_code: bool = False) -> None:
         self.config = config
         self.drafters: list[ModelDrafterClient | ModelFreeDrafter] = []
-        placements = _place_drafters(config) if config.model_drafters else {}
+        full, placements = _place_drafters(config) if config.model_drafters else (1, {})
         lent = 0
         for index, spec in enumerate(config.drafters):
             if isinstance(spec, ModelDrafterConfig):
-                _, cpus, borrowed, threads = placements[index]
+                cpus, borrowed, threads = placements[index]
                 lent = max(lent, borrowed)
                 self.drafters.append(ModelDrafterClient(
                     spec, dtype, max_model_len, max_num_seqs, trust_remote_code,
                     hang_timeout_s=config.draft_timeout_s, cpus=cpus, num_threads=threads))
             else:
                 self.drafters.append(ModelFreeDrafter(spec))
-        full = placements[next(iter(placements))][0] if placements else 1
         #: The target's threads, lent in part to pipelined drafters sharing its cores.
         self.elastic = ElasticThreads(full, min(lent, full - 1))
         if placements:
             logger.info("Smurfs placement: target %d threads, drafters on cores %s; %s",
-                        full, [p[1] for p in placements.values()],
+                        full, [p[0] for p in placements.values()],
                         f"the target lends {self.elastic.lent_threads} thread(s) while model "
                         "drafters draft" if self.elastic.enabled else "no core is shared")
 
@@ -387,10 +386,15 @@ class MultiDraftWorker:
     def models_alive(self) -> bool:
         return any(d.alive for d in self.model_drafters)
 
-    def free_lens(self, requests: Sequence[DraftRequest]) -> list[int]:
-        """Per request, the longest draft a model-free voter has for it now (microseconds)."""
-        free = [d for d in self.drafters if isinstance(d, ModelFreeDrafter)]
-        return [max((len(d.draft(r)) for d in free), default=0) for r in requests]
+    def free_drafts(self, requests: Sequence[DraftRequest]) -> list[list[list[int]]]:
+        """drafts[i][d] as `ready` gives them, from the model-free voters only (microseconds;
+        model drafters' entries empty)."""
+        drafts: list[list[list[int]]] = [[[] for _ in self.drafters] for _ in requests]
+        for d, drafter in enumerate(self.drafters):
+            if isinstance(drafter, ModelFreeDrafter):
+                for i, tokens in enumerate(drafter.propose(requests)):
+                    drafts[i][d] = tokens
+        return drafts
 
     def use_models(self, on: bool) -> None:
         """Model drafters draft (the target lends them the cores it shares with them) or are
@@ -400,18 +404,22 @@ class MultiDraftWorker:
                 drafter.pause()
         self.elastic.lend(on)
 
-    def ready(self, requests: Sequence[DraftRequest],
-              models: bool = True) -> list[list[list[int]]]:
+    def ready(self, requests: Sequence[DraftRequest], models: bool = True,
+              free: Sequence[list[list[int]]] | None = None) -> list[list[list[int]]]:
         """drafts[i][d]: drafter d's draft for requests[i] now (empty when it has none; model
-        drafters' are left empty unless ``models``)."""
-        drafts: list[list[list[int]]] = [[[] for _ in self.drafters] for _ in requests]
-        for d, drafter in enumerate(self.drafters):
-            if isinstance(drafter, ModelFreeDrafter):
-                for i, tokens in enumerate(drafter.propose(requests)):
-                    drafts[i][d] = tokens
-            elif models:
-                for i, r in enumerate(requests):
-                    drafts[i][d] = drafter.draft_for(r.req_id, r.context, r.k)
+        drafters' are left empty unless ``models``). ``free``: `free_drafts` of the same
+        requests taken earlier in the step at lookaheads >= their k, cut here to k (an n-gram
+        draft's prefix is the shorter draft), instead of drafting them again."""
+        if free is None:
+            drafts = self.free_drafts(requests)
+        else:
+            drafts = [[tokens[: r.k] for tokens in per] for r, per in zip(requests, free,
+                                                                             strict=True)]
+        if models:
+            for d, drafter in enumerate(self.drafters):
+                if isinstance(drafter, ModelDrafterClient):
+                    for i, r in enumerate(requests):
+                        drafts[i][d] = drafter.draft_for(r.req_id, r.context, r.k)
         return drafts
 
     def late(self, requests: Sequence[DraftRequest]) -> list[tuple[int, int]]:
@@ -489,9 +497,9 @@ def _allowed_cpus() -> list[int]:
     return sorted(allowed) or list(range(os.cpu_count() or 1))
 
 
-def _place_drafters(config: SmurfsConfig) -> dict[int, tuple[int, list[int], int, int]]:
-    """Per model drafter (by index in ``config.drafters``): (target threads, its cores, target
-    threads it borrows, its threads). See `cores.plan_placement`: cores the target leaves free
+def _place_drafters(config: SmurfsConfig) -> tuple[int, dict[int, tuple[list[int], int, int]]]:
+    """The target's thread count and, per model drafter (by index in ``config.drafters``), (its
+    cores, target threads it borrows, its threads). See `cores.plan_placement`: cores the target leaves free
     first; a synchronous drafter on the target's cores takes the target's thread count."""
     threads = cores.spin_up_threads()
     bound = cores.target_cpus(threads)
@@ -507,9 +515,8 @@ def _place_drafters(config: SmurfsConfig) -> dict[int, tuple[int, list[int], int
         else:
             cpus, borrowed = cores.plan_placement(bound, every, spec.cpus, own, config.pipeline)
         shares_turns = bound is not None and not config.pipeline and set(cpus) <= set(bound)
-        out[index] = (threads, cpus, borrowed,
-                      spec.num_threads or (threads if shares_turns else 1))
-    return out
+        out[index] = (cpus, borrowed, spec.num_threads or (threads if shares_turns else 1))
+    return threads, out
 
 
 def _drafter_env(num_threads: int) -> dict[str, str]:

@@ -159,10 +159,9 @@ class SmurfsProposer:
             path = self.config.trace_file
             self._trace = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._last_req_ids: frozenset[str] = frozenset()
-        # Whether model drafters drafted for the last step (none yet: the first step that gives
-        # them work also makes the target lend them its shared cores).
-        self._models_drafting = False
-        self._drafting_steps = 0  # consecutive steps with model drafting, up to now
+        # Consecutive steps with model drafting, up to now (0: the last step had none, and the
+        # first step that gives them work makes the target lend them its shared cores).
+        self._drafting_steps = 0
 
     # -- vLLM's proposer interface ------------------------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
@@ -192,7 +191,7 @@ class SmurfsProposer:
             step_s = called - self._returned_at
             self.stats.target_step_s += step_s
             self.policy.observe_step(StepTiming(len(step.req_ids), step.num_scheduled_tokens,
-                                                step_s, drafting=self._models_drafting))
+                                                step_s, drafting=self._drafting_steps > 0))
         self._last_req_ids = frozenset(step.req_ids)
         self.forget(step.finished_req_ids | step.restarted_req_ids)
         feedback = self._learn(step, sampled_token_ids)
@@ -210,28 +209,29 @@ class SmurfsProposer:
         max_lookahead = min(step.max_spec_tokens or self.num_speculative_tokens,
                             self.num_speculative_tokens)
         contexts = [token_ids_cpu[i, : view.num_tokens].copy() for i, view in zip(rows, views)]
-        free_lens = self.worker.free_lens([DraftRequest(view.req_id, context, max_lookahead)
-                                           for view, context in zip(views, contexts)])
-        lookaheads = self.policy.choose(views, max_lookahead, free_lens)
+        free = self.worker.free_drafts([DraftRequest(view.req_id, context, max_lookahead)
+                                        for view, context in zip(views, contexts)])
+        lookaheads = self.policy.choose(views, max_lookahead,
+                                        [max(map(len, per), default=0) for per in free])
         # Model drafters draft (and borrow the cores they share with the target) only for a
         # step the policy gives to them and that drafts anything.
         models = (self.policy.models_on and any(lookaheads) and self.worker.models_alive)
-        if models != self._models_drafting:
+        if models != (self._drafting_steps > 0):
             self.worker.use_models(models)
-        self._models_drafting = models
         self._drafting_steps = self._drafting_steps + 1 if models else 0
         self.stats.steps_without_models += not models
-        chosen = [(i, view, k, context) for i, view, k, context
-                  in zip(rows, views, lookaheads, contexts) if k > 0]
-        requests = [DraftRequest(view.req_id, context, k) for _, view, k, context in chosen]
-        drafts = self._collect(requests, [view for _, view, _, _ in chosen], models)
+        chosen = [(i, view, k, context, per) for i, view, k, context, per
+                  in zip(rows, views, lookaheads, contexts, free) if k > 0]
+        requests = [DraftRequest(view.req_id, context, k) for _, view, k, context, _ in chosen]
+        drafts = self._collect(requests, [view for _, view, _, _, _ in chosen], models,
+                               [per for *_, per in chosen])
 
         proposals: list[list[int]] = [[] for _ in sampled_token_ids]
         for state in (self._states.get(step.req_ids[i]) for i in rows):
             if state is not None:
                 state.drafts = state.voted = None
         voted = []
-        for (row, _, _, _), request, per_drafter in zip(chosen, requests, drafts):
+        for (row, *_), request, per_drafter in zip(chosen, requests, drafts):
             state = self._state(request.req_id)
             vote = weighted_prefix_vote(per_drafter, state.weights.weights, max_len=request.k)
             state.drafts, state.voted, state.chosen = per_drafter, vote.tokens, request.k
@@ -247,10 +247,10 @@ class SmurfsProposer:
         self.stats.proposer_s += self._returned_at - called
         return proposals
 
-    def _collect(self, requests: list[DraftRequest], views: list[RequestView],
-                 models: bool) -> list[list[list[int]]]:
+    def _collect(self, requests: list[DraftRequest], views: list[RequestView], models: bool,
+                 free: list[list[list[int]]]) -> list[list[list[int]]]:
         """Every drafter's draft of every request: what is ready, after waiting if worth it
-        (only the model-free voters' unless ``models``)."""
+        (only the model-free voters' unless ``models``; theirs are ``free``, taken already)."""
         self.worker.poll()
         if not requests:
             return []
@@ -271,7 +271,7 @@ class SmurfsProposer:
             self.worker.track(requests, [[] for _ in requests], [r.k for r in requests])
             self.worker.wait(requests, self.config.draft_timeout_s)
         self.stats.wait_s += time.perf_counter() - started
-        drafts = self.worker.ready(requests, models)
+        drafts = self.worker.ready(requests, models, free)
         self.stats.requests_drafted += len(requests)
         self.stats.requests_without_draft += sum(1 for per in drafts if not any(per))
         return drafts

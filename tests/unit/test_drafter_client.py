@@ -10,9 +10,14 @@ from multiprocessing import Pipe
 import numpy as np
 import pytest
 
-from vllm_smurfs.config import ModelDrafterConfig
+from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
 from vllm_smurfs.drafter_server import PathDrafter
-from vllm_smurfs.multi_draft_worker import MAX_MESSAGES_IN_FLIGHT, ModelDrafterClient
+from vllm_smurfs.multi_draft_worker import (
+    MAX_MESSAGES_IN_FLIGHT,
+    DraftRequest,
+    ModelDrafterClient,
+    MultiDraftWorker,
+)
 
 
 def ctx(*tokens):
@@ -204,3 +209,15 @@ def test_a_closed_connection_leaves_the_drafter_out(client_and_server):
     server.close()
     client.poll(0.5)
     assert not client.health.alive and "connection lost" in client.health.last_error
+
+
+def test_free_drafts_taken_at_the_longest_lookahead_serve_every_shorter_one():
+    config = SmurfsConfig.from_user_dict({"method": "smurfs", "num_speculative_tokens": 6,
+                                          "drafters": [{"method": "ngram"}]})
+    worker = MultiDraftWorker(config, dtype="float32", max_model_len=64, max_num_seqs=4)
+    text = ctx(1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3)
+    (free,) = worker.free_drafts([DraftRequest("r", text, 6)])
+    assert free == [[4, 5, 6, 7, 8, 9]]
+    for k in range(7):
+        request = DraftRequest("r", text, k)
+        assert worker.ready([request], models=False, free=[free]) == worker.ready([request])

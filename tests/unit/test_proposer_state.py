@@ -26,7 +26,7 @@ class ScriptedWorker:
         self.ahead: list = []
         self.forgotten: list = []
         self.models_alive = True
-        self.free: list[int] | None = None  # free_lens answer (default: none ready)
+        self.free: list[int] | None = None  # model-free draft lengths (default: none ready)
         self.models_used: list[bool] = []
 
     def start(self):
@@ -41,13 +41,14 @@ class ScriptedWorker:
     def wait(self, requests, timeout_s):
         return True
 
-    def ready(self, requests, models=True):
+    def ready(self, requests, models=True, free=None):
         self.asked.append([(r.req_id, len(r.context), r.k) for r in requests])
         return [[self.script[d](r.context, r.k) if models else [] for d in range(len(self.names))]
                 for r in requests]
 
-    def free_lens(self, requests):
-        return list(self.free) if self.free is not None else [0] * len(requests)
+    def free_drafts(self, requests):
+        lens = self.free if self.free is not None else [0] * len(requests)
+        return [[[1] * f] + [[] for _ in self.names[1:]] for f in lens]
 
     def use_models(self, on):
         self.models_used.append(on)
