@@ -73,6 +73,14 @@ class ModelDrafterConfig(_Strict):
     max_model_len: int | None = Field(
         default=None, ge=1, description="Context limit of the drafter (default: the target's)."
     )
+    prefill_chunk_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Most tokens one drafter engine step computes (its max_num_batched_tokens, "
+        "at least the target's max_num_seqs): long prompts are prefilled in chunks, so the "
+        "drafter keeps streaming drafts for the other requests and answers within "
+        "draft_timeout_s.",
+    )
 
     @property
     def display_name(self) -> str:

@@ -85,6 +85,7 @@ def _build_engine(spec: dict[str, Any]) -> Any:
         enable_prefix_caching=True,
         max_model_len=spec["max_model_len"],
         max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
         trust_remote_code=spec.get("trust_remote_code", False),
         disable_log_stats=True,
     )

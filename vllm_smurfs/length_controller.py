@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -764,11 +764,16 @@ _SWITCH_MARGIN = 0.05
 # Steps a mode is kept after a switch: each switch costs a restart, and a mode's estimates need a
 # few steps to reflect the present.
 _MIN_DWELL_STEPS = 8
-# Without model drafters, their estimates stop learning: every 256 steps the controller retries
-# them for one dwell, each request drafting at least one token, so a change (a lighter load, more
-# predictable text) is noticed. Where they do not pay this costs ~8 slower steps in 256 (~1%
-# at 0.7x speed), and nothing where even one token per request does not fit the plan's cap.
+# Without model drafters, their estimates stop learning: at most every 256 steps the controller
+# retries them for one dwell, each request drafting at least one token, so a change (a lighter
+# load, more predictable text) is noticed. A retry's price is measured: the time its steps took
+# beyond what the step-cost curve without model drafting predicts for their token counts (the
+# lent cores, the drafters' catch-up prefill). The next retry waits until that price is at most
+# 1% of the time since the last one began: at batch 1 a retry costs ~8 slower steps and comes
+# every 256 steps or so; under a prefill-heavy load, where lending a core halves the target's
+# speed for seconds per step, retries become rare instead of costing a fifth of the run.
 _RETRY_INTERVAL_STEPS = 256
+_RETRY_BUDGET = 0.01
 
 
 class AdaptiveLookahead:
@@ -859,6 +864,10 @@ class AdaptiveLookahead:
         self._models_on = True
         self._switched_at = -_MIN_DWELL_STEPS
         self._retry_until = 0  # model drafting retried until this step
+        self._elapsed_s = 0.0  # target step seconds observed so far
+        self._retry_started_s = 0.0  # _elapsed_s when the last retry began
+        self._retry_cost_s = 0.0  # its measured price (see _RETRY_BUDGET)
+        self._planned_retry = False  # whether the last choice was part of a retry
         self.switches = 0  # model drafting switched on or off by the greedy choice
         self._steps = 0  # choose() calls with at least one request
         self._explored_low = False
@@ -879,6 +888,9 @@ class AdaptiveLookahead:
         (self.acceptance if self._models_on else self.acceptance_free).observe(feedback)
 
     def observe_step(self, timing: StepTiming) -> None:
+        self._elapsed_s += timing.seconds
+        if self._planned_retry and timing.drafting and not self.step_cost_free.is_empty:
+            self._retry_cost_s += max(0.0, timing.seconds - self.step_cost_free(timing.num_tokens))
         cost = self.step_cost if timing.drafting or not self.free_mode else self.step_cost_free
         cost.observe(timing.num_tokens, timing.seconds)
         if self._planned_tokens is not None:
@@ -900,6 +912,21 @@ class AdaptiveLookahead:
             self._expected.pop(req_id, None)
 
     # -- deciding ---------------------------------------------------------------------------
+    def _drafting_cost(self, num_tokens: float) -> float:
+        """Predicted seconds of a target step with model drafting: its own curve, never below
+        the curve without (drafters take cores from the target or share them, never add any;
+        this also prices token counts the drafting curve has not measured, e.g. prefill-heavy
+        steps, at least at what they cost without drafting)."""
+        t = self.step_cost(num_tokens)
+        if self.free_mode and not self.step_cost_free.is_empty:
+            t = max(t, self.step_cost_free(num_tokens))
+        return t
+
+    def _retry_due(self) -> bool:
+        return (self._steps - self._switched_at >= _RETRY_INTERVAL_STEPS
+                and self._retry_cost_s <= _RETRY_BUDGET
+                * (self._elapsed_s - self._retry_started_s))
+
     def _step_seconds(self, target_s: float, max_k: int, num_drafted: int) -> float:
         draft_s = self.draft_cost(max_k, num_drafted)
         return target_s + (max(0.0, draft_s - target_s) if self.pipelined else draft_s)
@@ -943,15 +970,15 @@ class AdaptiveLookahead:
             # One step without model drafting, to measure what it costs.
             models, ks, mode = False, list(free_caps), "explore-free"
             caps, cum = free_caps, self._cumulative(self.acceptance_free, ids, free_caps)
-        elif (self.free_mode and not self._models_on
-              and self._steps - self._switched_at >= _RETRY_INTERVAL_STEPS):
+        elif self.free_mode and not self._models_on and self._retry_due():
             ks, mode = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)], "retry"
             self._switched_at, self._retry_until = self._steps, self._steps + _MIN_DWELL_STEPS
+            self._retry_started_s, self._retry_cost_s = self._elapsed_s, 0.0
             self.switches += 1
         else:
             if self._steps < self._retry_until:  # a retry drafts, or it learns nothing
                 lows = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)]
-            ks, rate = self._greedy(cum, caps, lows, self.step_cost, drafting=True)
+            ks, rate = self._greedy(cum, caps, lows, self._drafting_cost, drafting=True)
             mode = "greedy"
             if self.free_mode:
                 cum_free = self._cumulative(self.acceptance_free, ids, free_caps)
@@ -960,6 +987,7 @@ class AdaptiveLookahead:
                 models = self._decide(rate, rate_free)
                 if not models:
                     ks, mode, caps, cum = ks_free, "greedy-free", free_caps, cum_free
+        self._planned_retry = models and self._steps < self._retry_until
         if models != self._models_on:
             if mode.startswith("greedy"):
                 self._switched_at = self._steps
@@ -990,7 +1018,7 @@ class AdaptiveLookahead:
         tokens = sum(1 + k for k in ks)
         self._planned_tokens = tokens
         total_tokens = self._background + tokens
-        target_s = (self.step_cost if models else self.step_cost_free)(total_tokens)
+        target_s = (self._drafting_cost if models else self.step_cost_free)(total_tokens)
         num_drafted = sum(1 for k in ks if k > 0)
         max_k = max(ks)
         exp_tokens = sum(e[k] for e, k in zip(expected, ks, strict=True))
@@ -1027,7 +1055,7 @@ class AdaptiveLookahead:
         return rate_models > rate_free * (1.0 + _SWITCH_MARGIN)
 
     def _greedy(self, cum: list[list[float]], caps: list[int], lows: list[int],
-                target: StepCostModel, drafting: bool) -> tuple[list[int], float]:
+                target: Callable[[float], float], drafting: bool) -> tuple[list[int], float]:
         """The allocation with the best predicted rate along the greedy path, and that rate;
         ``drafting``: the model drafters' time counts (see the class docstring)."""
         ks = list(lows)
@@ -1122,6 +1150,7 @@ class AdaptiveLookahead:
             "free_mode": self.free_mode,
             "models_on": self._models_on,
             "switches": self.switches,
+            "retry_cost_s": round(self._retry_cost_s, 6),
             "steps": self._steps,
             "step_cost_free": self.step_cost_free.snapshot(),
             "acceptance_free": [round(p, 4) for p in free],

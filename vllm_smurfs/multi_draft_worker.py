@@ -103,6 +103,7 @@ class ModelDrafterClient:
             "dtype": dtype if spec.dtype == "auto" else spec.dtype,
             "max_model_len": self.max_model_len,
             "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max(spec.prefill_chunk_tokens, max_num_seqs),
             "kv_cache_gib": spec.kv_cache_gib,
             "gpu_memory_utilization": spec.gpu_memory_utilization,
             "trust_remote_code": trust_remote_code,

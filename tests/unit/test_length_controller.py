@@ -774,10 +774,37 @@ def test_free_mode_leaves_model_drafters_out_when_they_cost_more_than_they_bring
     modes = _run_modes(pol, 700, full_s=0.32, free_s=0.22, full_p=0.55, free_p=0.6, free_len=3)
     assert modes[:3] == [True, True, False]  # explore: longest, shortest, then without models
     assert not any(modes[30:250])  # settled without model drafters
-    # ... retrying them for one dwell every 256 steps (the load or the text may have changed).
-    runs = [(on, len(list(g))) for on, g in itertools.groupby(modes[250:])]
-    assert [n for on, n in runs if on] == [length_controller._MIN_DWELL_STEPS] * 2
-    assert sum(modes) / len(modes) < 0.05 and pol.snapshot()["models_on"] is False
+    # ... retrying them for one dwell now and then (the load or the text may have changed).
+    runs = [(on, len(list(g))) for on, g in itertools.groupby(modes[250:-1])]
+    assert [n for on, n in runs if on][:2] == [length_controller._MIN_DWELL_STEPS] * 2
+    assert sum(modes) / len(modes) < 0.05
+
+
+def _retry_starts(modes: list[bool]) -> list[int]:
+    return [i for i in range(30, len(modes)) if modes[i] and not modes[i - 1]]
+
+
+@pytest.mark.parametrize("full_s", [0.23, 0.32, 2.0])
+def test_free_mode_retries_cost_at_most_one_percent_of_the_time(full_s: float) -> None:
+    # Model drafts (0.2 per position) never pay against the voter's (3 tokens at 0.9): every
+    # switch on after the start is a retry, and a retry's price is its 8 steps' time beyond the
+    # 0.22 s a step takes without model drafting. Cheap retries come every 256 steps; dear ones
+    # (a lent core under a prefill-heavy load: 2 s steps) wait until they cost <= 1% of the time.
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol, 3000, full_s=full_s, free_s=0.22, full_p=0.2, free_p=0.9,
+                       free_len=3)
+    starts = _retry_starts(modes)
+    price = length_controller._MIN_DWELL_STEPS * (full_s - 0.22)
+    dwell = length_controller._MIN_DWELL_STEPS
+    # Steps from one retry to the next: 256 after the dwell, or until the time since the last
+    # retry began (its dwell at full_s, then steps at 0.22 s) reaches 100x its price.
+    gap = dwell + max(length_controller._RETRY_INTERVAL_STEPS, math.ceil(
+        (price / length_controller._RETRY_BUDGET - dwell * full_s) / 0.22))
+    assert starts and all(gap <= b - a <= gap + 2 for a, b in zip(starts, starts[1:]))
+    assert len(starts) >= 1 + (len(modes) - 1 - starts[0]) // (gap + 2)  # none skipped
+    assert pol.snapshot()["retry_cost_s"] == pytest.approx(price)
+    wasted = sum(full_s - 0.22 for on in modes[30:] if on)
+    assert wasted <= 0.011 * 0.22 * len(modes) + price
 
 
 def test_free_mode_keeps_model_drafters_when_they_pay() -> None:
@@ -808,3 +835,21 @@ def test_without_free_mode_the_mode_never_changes() -> None:
     pol = AdaptiveLookahead(6, probe_interval=0)
     modes = _run_modes(pol, 50, full_s=0.32, free_s=0.22, full_p=0.1, free_p=0.9, free_len=3)
     assert all(modes) and pol.switches == 0
+
+
+def test_free_mode_prices_unmeasured_drafting_steps_at_least_as_steps_without() -> None:
+    # Model drafting measured on small decode steps only; prefill-heavy steps (a 1000-token
+    # chunk in each) measured without it. The drafting curve alone would extrapolate its flat
+    # decode segment (0.3 s); a step with drafting never costs less than one without.
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    for n in (2, 7):
+        pol.step_cost.observe(n, 0.3)
+    for n in (4, 1004):
+        pol.step_cost_free.observe(n, 0.2 if n < 100 else 5.0)
+    assert pol.step_cost(1004) == pytest.approx(0.3)
+    assert pol._drafting_cost(1004) == pytest.approx(5.0)
+    assert pol._drafting_cost(7) == pytest.approx(0.3)
+    without = AdaptiveLookahead(6, probe_interval=0)
+    without.step_cost.observe(2, 0.3)
+    without.step_cost.observe(7, 0.3)
+    assert without._drafting_cost(1004) == pytest.approx(0.3)
