@@ -779,10 +779,12 @@ _RETRY_BUDGET = 0.01
 class AdaptiveLookahead:
     """Per-request lookaheads maximising the batch's expected tokens per second.
 
-    For a choice ``k_1..k_n`` the batch is predicted to produce ``sum_r E_r(k_r)`` tokens
-    (:meth:`AcceptanceModel.expected_tokens`) in ``T = target(B + sum_r (1 + k_r)) + visible
-    drafting``, where ``target`` is the :class:`StepCostModel`, ``B`` the prefill tokens the
-    steps have been carrying, and the drafting time is the :class:`DraftCostModel` of a call of
+    For a choice ``k_1..k_n`` the batch is predicted to do ``B + sum_r E_r(k_r)`` tokens of work
+    (:meth:`AcceptanceModel.expected_tokens`, plus the prefill tokens ``B`` the steps have been
+    carrying: a prompt token is work the run must do as much as an output token, so drafts that
+    slow a compute-bound prefill step, or take its token budget, count against themselves) in
+    ``T = target(B + sum_r (1 + k_r)) + visible drafting``, where ``target`` is the
+    :class:`StepCostModel`, and the drafting time is the :class:`DraftCostModel` of a call of
     ``max k_r`` positions for the requests with ``k_r > 0``: all of it in synchronous mode, only
     ``max(0, draft - target)`` when ``pipelined`` (drafts are computed behind the target's step).
     Drafters run concurrently in their own processes, so one call is modelled, not their sum.
@@ -1029,6 +1031,7 @@ class AdaptiveLookahead:
         self._last = {
             "mode": mode, "models_on": models, "num_reqs": n, "num_drafted": num_drafted,
             "decode_tokens": tokens, "total_tokens": total_tokens,
+            "background_tokens": self._background,
             "expected_tokens": exp_tokens, "target_seconds": target_s, "step_seconds": step_s,
             "mean_lookahead": sum(ks) / n, "histogram": hist,
         }
@@ -1067,7 +1070,11 @@ class AdaptiveLookahead:
         # Stable sort by gain only: within a request gains never increase, so equal gains keep
         # their (request, position) order and every prefix of the list is a valid allocation.
         gains.sort(key=lambda g: -g[0])
-        exp_tokens = sum(1.0 + sum(qs[:lo]) for qs, lo in zip(cum, lows, strict=True))
+        # The rate counts the step's prefill tokens as work done, like its output tokens: where
+        # the target is compute-bound (prefill-heavy steps, a full token budget) a draft token
+        # costs as much as a prompt token, and only one likely to be accepted is worth it.
+        exp_tokens = self._background + sum(
+            1.0 + sum(qs[:lo]) for qs, lo in zip(cum, lows, strict=True))
         tokens = self._background + sum(1 + lo for lo in lows)
         num_drafted = sum(1 for lo in lows if lo > 0)
         max_k = max(lows)
@@ -1123,7 +1130,7 @@ class AdaptiveLookahead:
         t_d = self.draft_cost(1, max(1, self._last.get("num_drafted", len(requests))))
         if not self.pipelined or not self._last or t_d <= 0:
             return max_wait_s
-        s = float(self._last["expected_tokens"])
+        s = float(self._last["expected_tokens"]) + float(self._last["background_tokens"])
         gain = 0.0
         for r, m in zip(requests, ready, strict=True):
             e = self._expected.get(r.req_id)

@@ -853,3 +853,40 @@ def test_free_mode_prices_unmeasured_drafting_steps_at_least_as_steps_without() 
     without.step_cost.observe(2, 0.3)
     without.step_cost.observe(7, 0.3)
     assert without._drafting_cost(1004) == pytest.approx(0.3)
+
+
+def _run_with_prefill(background: Callable[[int], int], cost: Callable[[int], float],
+                      steps: int = 300, p: float = 0.6, n: int = 4) -> list[int]:
+    """Steps that carry ``background(step)`` prefill tokens besides the decodes; acceptance
+    ``p`` per position. The draft tokens per step over the last 100 steps."""
+    rng = random.Random(1)
+    pol = AdaptiveLookahead(4, probe_interval=0)
+    reqs = _reqs(n)
+    drafted: list[int] = []
+    for step in range(steps):
+        ks = pol.choose(reqs, 4)
+        drafted.append(sum(ks))
+        feedback = []
+        for r, k in zip(reqs, ks, strict=True):
+            if k:
+                accepted = 0
+                while accepted < k and rng.random() < p:
+                    accepted += 1
+                feedback.append(StepFeedback(r.req_id, k, accepted))
+        tokens = background(step) + sum(1 + k for k in ks)
+        pol.observe_step(StepTiming(n, tokens, cost(tokens)))
+        pol.observe(feedback)
+    return drafted[-100:]
+
+
+def test_prefill_tokens_count_as_work_so_drafts_do_not_slow_compute_bound_steps() -> None:
+    # Compute-bound: every token costs 10 ms, and the steps carry prompt chunks of 200 to 2000
+    # tokens (a new size every 10 steps). A draft token accepted 60% of the time adds 0.6
+    # output tokens for the time of a whole prompt token: not worth it. Counting output tokens
+    # only, the decodes' share of the step looks cheap and drafting looks like a 1.6x gain.
+    def chunks(step: int) -> int:
+        return 200 + 200 * ((step // 10 * 7) % 10)
+
+    assert sum(_run_with_prefill(chunks, lambda t: 0.01 * t)) <= 10
+    # Memory-bound decode steps (verification nearly free): the same drafts pay.
+    assert min(_run_with_prefill(lambda _: 0, lambda t: 0.2 + 1e-4 * t)) >= 8
