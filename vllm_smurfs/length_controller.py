@@ -783,7 +783,9 @@ class AdaptiveLookahead:
     (:meth:`AcceptanceModel.expected_tokens`) in the decode share of the step, ``T = target(B +
     sum_r (1 + k_r)) - target(B + n_0) + target(n_0) + visible drafting``, where ``target`` is the
     :class:`StepCostModel`, ``B`` the prefill tokens the steps have been carrying and ``n_0`` the
-    decode tokens without drafts. The prefill chunk's own time is left out (the run must spend
+    decode tokens without drafts (with ``free_mode``, the two ``target`` terms that price the
+    chunk are on the curve without model drafting, so a plan with them pays for what a lent core
+    adds to the chunk's time). The prefill chunk's own time is left out (the run must spend
     it whatever the lookahead), but draft tokens are priced at what they add on top of it: where
     the chunk makes the step compute-bound a draft token costs as much as a prompt token, and a
     draft that is likely rejected is not worth it; where decoding alone is memory-bound, drafts
@@ -928,12 +930,16 @@ class AdaptiveLookahead:
             t = max(t, self.step_cost_free(num_tokens))
         return t
 
-    def _prefill_seconds(self, target: Callable[[float], float], num_reqs: int) -> float:
+    def _prefill_seconds(self, num_reqs: int) -> float:
         """The predicted time of the prefill chunk ``B`` in a step with ``num_reqs`` decodes:
-        ``target(B + num_reqs) - target(num_reqs)`` (0 without prefill)."""
+        ``cost(B + num_reqs) - cost(num_reqs)`` (0 without prefill), on the curve without model
+        drafting when there is one: what a lent core adds to the chunk's time is the model
+        drafters' cost, not the chunk's."""
         if self._background <= 0:
             return 0.0
-        return max(0.0, target(self._background + num_reqs) - target(num_reqs))
+        cost = (self.step_cost_free if self.free_mode and not self.step_cost_free.is_empty
+                else self.step_cost)
+        return max(0.0, cost(self._background + num_reqs) - cost(num_reqs))
 
     def _retry_due(self) -> bool:
         return (self._steps - self._switched_at >= _RETRY_INTERVAL_STEPS
@@ -1031,8 +1037,7 @@ class AdaptiveLookahead:
         tokens = sum(1 + k for k in ks)
         self._planned_tokens = tokens
         total_tokens = self._background + tokens
-        cost = self._drafting_cost if models else self.step_cost_free
-        target_s = cost(total_tokens)
+        target_s = (self._drafting_cost if models else self.step_cost_free)(total_tokens)
         num_drafted = sum(1 for k in ks if k > 0)
         max_k = max(ks)
         exp_tokens = sum(e[k] for e, k in zip(expected, ks, strict=True))
@@ -1045,7 +1050,7 @@ class AdaptiveLookahead:
             "decode_tokens": tokens, "total_tokens": total_tokens,
             "background_tokens": self._background,
             "expected_tokens": exp_tokens, "target_seconds": target_s, "step_seconds": step_s,
-            "decode_seconds": step_s - self._prefill_seconds(cost, n),
+            "decode_seconds": step_s - self._prefill_seconds(n),
             "mean_lookahead": sum(ks) / n, "histogram": hist,
         }
         return ks
@@ -1086,7 +1091,7 @@ class AdaptiveLookahead:
         exp_tokens = sum(1.0 + sum(qs[:lo]) for qs, lo in zip(cum, lows, strict=True))
         tokens = self._background + sum(1 + lo for lo in lows)
         # The prefill chunk's own time, left out of the decodes' (see the class docstring).
-        offset = self._prefill_seconds(target, len(lows))
+        offset = self._prefill_seconds(len(lows))
         num_drafted = sum(1 for lo in lows if lo > 0)
         max_k = max(lows)
         t0 = target(tokens)

@@ -346,7 +346,8 @@ class SmurfsProposer:
                                          fb.num_draft_tokens if fb else 0,
                                          fb.num_accepted if fb else 0))
         line = TraceStep(self.stats.steps, time.monotonic(), step_s, step.num_scheduled_tokens,
-                         tuple(requests), tuple(draft_timings)).to_json()
+                         tuple(requests), tuple(draft_timings),
+                         drafting=self._drafting_steps > 0).to_json()
         self._trace.write(line + "\n")
 
     def _count_proposal(self, voted: list[int], winner: int) -> None:

@@ -4,7 +4,8 @@ Trace format: JSON lines, one object per target step, written by the proposer::
 
     {"step": 12, "t": 104.233, "seconds": 0.0213, "num_tokens": 144,
      "requests": [{"req_id": "r7", "position": 58, "k": 8, "accepted": 3}, ...],
-     "drafts": [{"num_reqs": 16, "num_positions": 1, "seconds": 0.0009}, ...]}
+     "drafts": [{"num_reqs": 16, "num_positions": 1, "seconds": 0.0009}, ...],
+     "drafting": true}
 
 * ``step``: step counter; ``t``: monotonic seconds at the end of the step.
 * ``seconds``, ``num_tokens``: the target step's wall time and token count
@@ -15,6 +16,10 @@ Trace format: JSON lines, one object per target step, written by the proposer::
 * ``drafts``: the :class:`~vllm_smurfs.length_controller.DraftTiming` of the drafter engine
   steps (streaming drafters: one position each) or calls made since the previous step. Replays
   record at most 64 per step (:data:`MAX_DRAFT_RECORDS`): more identical ones add nothing.
+* ``drafting`` (optional): whether the model drafters drafted during the step (with
+  ``lookahead.pause_drafters`` the controller leaves them out of most steps where they do not
+  pay; such a step may be faster, the target then having the cores it lends them). Replays do
+  not model that choice: they fit one cost curve on all steps and draft with the drafters.
 
 Steps without requests are allowed (e.g. pure prefill steps); they only add cost samples.
 
@@ -159,7 +164,7 @@ def _field(obj: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
     value = obj[name]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise TraceFormatError(f"{where}: {name} must be {kind.__name__}, got {value!r}")
     return value
 
@@ -205,19 +210,23 @@ class TraceStep:
     num_tokens: int
     requests: tuple[TraceRequest, ...] = ()
     drafts: tuple[DraftTiming, ...] = ()
+    drafting: bool | None = None  # model drafters drafted in the step; None: not recorded
 
     def __post_init__(self) -> None:
         # StepTiming validates seconds and num_tokens.
         StepTiming(len(self.requests), self.num_tokens, self.seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "step": self.step, "t": self.t, "seconds": self.seconds,
             "num_tokens": self.num_tokens,
             "requests": [r.to_dict() for r in self.requests],
             "drafts": [{"num_reqs": d.num_reqs, "num_positions": d.num_positions,
                         "seconds": d.seconds} for d in self.drafts],
         }
+        if self.drafting is not None:
+            out["drafting"] = self.drafting
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -243,6 +252,8 @@ class TraceStep:
                                 _field(d, "num_positions", int, f"{where}: drafts[{i}]"),
                                 _field(d, "seconds", float, f"{where}: drafts[{i}]"))
                     for i, d in enumerate(drafts)),
+                drafting=(None if obj.get("drafting") is None
+                          else _field(obj, "drafting", bool, where)),
             )
         except TraceFormatError:
             raise

@@ -740,12 +740,15 @@ def test_module_imports_only_the_stdlib() -> None:
 # -------------------------------------------------------------- free mode (model drafters out)
 
 
-def _run_modes(pol: AdaptiveLookahead, steps: int, *, full_s: float, free_s: float,
-               full_p: float, free_p: float, free_len: int, n: int = 1,
-               seed: int = 0) -> list[bool]:
+def _run_modes(pol: AdaptiveLookahead, steps: int, *, full_s: float = 0.0, free_s: float = 0.0,
+               full_p: float, free_p: float, free_len: int, n: int = 1, seed: int = 0,
+               cost: Callable[[int, bool], float] | None = None,
+               background: int = 0) -> list[bool]:
     """Drive ``pol`` like the proposer: a step with model drafting takes ``full_s`` and its
     drafts are accepted per position with ``full_p``; one without takes ``free_s`` and the
-    model-free voters have ``free_len`` tokens, accepted with ``free_p``. Per step: models_on."""
+    model-free voters have ``free_len`` tokens, accepted with ``free_p``. Per step: models_on.
+    With ``cost``, a step takes ``cost(tokens, drafting)`` instead; every step carries
+    ``background`` prefill tokens."""
     rng = random.Random(seed)
     reqs = _reqs(n)
     modes = []
@@ -761,8 +764,10 @@ def _run_modes(pol: AdaptiveLookahead, steps: int, *, full_s: float, free_s: flo
                 while accepted < k and rng.random() < p:
                     accepted += 1
                 feedback.append(StepFeedback(r.req_id, k, accepted))
-        pol.observe_step(StepTiming(n, sum(1 + k for k in ks),
-                                    full_s if drafting else free_s, drafting=drafting))
+        tokens = background + sum(1 + k for k in ks)
+        seconds = (cost(tokens, drafting) if cost is not None
+                   else full_s if drafting else free_s)
+        pol.observe_step(StepTiming(n, tokens, seconds, drafting=drafting))
         pol.observe(feedback)
     return modes
 
@@ -853,6 +858,27 @@ def test_free_mode_prices_unmeasured_drafting_steps_at_least_as_steps_without() 
     without.step_cost.observe(2, 0.3)
     without.step_cost.observe(7, 0.3)
     assert without._drafting_cost(1004) == pytest.approx(0.3)
+
+
+def test_free_mode_charges_model_drafting_for_the_prefill_it_slows() -> None:
+    # Lending a core halves the target's speed, prompt chunk included: a step costs 2x with
+    # model drafting. Without prefill the model drafts (0.8 per position, the voter has
+    # nothing) pay for it; in steps carrying a 500-token chunk they would double its second,
+    # and the controller must not leave that out with the chunk's own time.
+    def cost(tokens: int, drafting: bool) -> float:
+        return (2.0 if drafting else 1.0) * (0.1 + 0.0005 * tokens)
+
+    def modes(background: int) -> list[bool]:
+        pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+        for tokens in range(4, 29):  # decode-only steps of both kinds measured before
+            for drafting in (True, False):
+                pol.observe_step(StepTiming(4, tokens, cost(tokens, drafting), drafting))
+        return _run_modes(pol, 400, full_p=0.8, free_p=0.5, free_len=0, n=4, cost=cost,
+                          background=background)
+
+    # Both start without the model drafters (their acceptance unknown) and retry them once.
+    assert all(modes(0)[-100:])
+    assert sum(modes(500)) <= length_controller._MIN_DWELL_STEPS
 
 
 def _run_with_prefill(background: Callable[[int], int], cost: Callable[[int], float],

@@ -142,6 +142,7 @@ def test_trace_file_records_verified_drafts_for_the_simulator(monkeypatch, tmp_p
     step(p, ["a", "b"], [[7, 7, 1], [2]], [13, 21])
     (traced,) = read_trace(path)
     assert traced.seconds >= 0 and traced.step == 1
+    assert traced.drafting is True  # the step the trace times drafted with the model drafters
     assert [(r.req_id, r.position, r.k, r.accepted) for r in traced.requests] == [
         ("a", 10, 4, 2), ("b", 20, 4, 0)]
 

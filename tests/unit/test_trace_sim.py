@@ -88,6 +88,10 @@ def test_trace_step_json_round_trip(tmp_path: Path) -> None:
     write_trace(path, [step, TraceStep(4, 2, 0.01, 3)])
     path.write_text(path.read_text() + "\n")  # a trailing blank line is fine
     assert read_trace(path) == [step, TraceStep(4, 2.0, 0.01, 3)]
+    # The model drafters' mode, when recorded (a boolean, not 0/1).
+    drafted = TraceStep(5, 3.0, 0.03, 4, drafting=False)
+    assert json.loads(drafted.to_json())["drafting"] is False
+    assert TraceStep.from_json(drafted.to_json()) == drafted
 
 
 @pytest.mark.parametrize(("obj", "match"), [
@@ -99,6 +103,9 @@ def test_trace_step_json_round_trip(tmp_path: Path) -> None:
      r"requests\[0\]: accepted must be in \[0, k=2\]"),
     ({"step": 0, "t": 0, "seconds": 0.1, "num_tokens": 1,
       "drafts": [{"num_reqs": 1, "seconds": 0.1}]}, r"drafts\[0\]: missing field 'num_positions'"),
+    ({"step": 0, "t": 0, "seconds": 0.1, "num_tokens": 1, "drafting": 1},
+     "drafting must be bool"),
+    ({"step": True, "t": 0, "seconds": 0.1, "num_tokens": 1}, "step must be int"),
 ])
 def test_trace_format_errors_name_the_field(obj: dict[str, Any], match: str) -> None:
     with pytest.raises(TraceFormatError, match=match):
