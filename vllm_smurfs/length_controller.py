@@ -792,7 +792,9 @@ class AdaptiveLookahead:
     are nearly free. (Counting the step's whole time against its output tokens would make
     drafting look cheap in every prefill step; counting the prompt tokens as output would price
     an output token, which costs a decode step's share, like a prompt token, and stop drafting
-    under load.) The drafting time is the :class:`DraftCostModel` of a call of
+    under load.) The drafting time is the :class:`DraftCostModel` of a call of ``max k_r``
+    positions for the requests with ``k_r > 0``: all of it in synchronous mode, only
+    ``max(0, draft - target)`` when ``pipelined`` (drafts are computed behind the target's step).
     Drafters run concurrently in their own processes, so one call is modelled, not their sum.
 
     ``choose`` allocates draft tokens greedily: every request starts at its minimum, and the next
