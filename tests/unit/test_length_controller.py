@@ -740,6 +740,19 @@ def test_module_imports_only_the_stdlib() -> None:
 # -------------------------------------------------------------- free mode (model drafters out)
 
 
+def _feedback(rng: random.Random, reqs: list[RequestView], ks: list[int],
+              p: float) -> list[StepFeedback]:
+    """Verification of drafts of ``ks`` tokens, each position accepted with ``p``."""
+    feedback = []
+    for r, k in zip(reqs, ks, strict=True):
+        if k:
+            accepted = 0
+            while accepted < k and rng.random() < p:
+                accepted += 1
+            feedback.append(StepFeedback(r.req_id, k, accepted))
+    return feedback
+
+
 def _run_modes(pol: AdaptiveLookahead, steps: int, *, full_s: float = 0.0, free_s: float = 0.0,
                full_p: float, free_p: float, free_len: int, n: int = 1, seed: int = 0,
                cost: Callable[[int, bool], float] | None = None,
@@ -756,14 +769,7 @@ def _run_modes(pol: AdaptiveLookahead, steps: int, *, full_s: float = 0.0, free_
         ks = pol.choose(reqs, 6, [free_len] * n)
         drafting = pol.models_on and any(ks)
         modes.append(pol.models_on)
-        p = full_p if pol.models_on else free_p
-        feedback = []
-        for r, k in zip(reqs, ks, strict=True):
-            if k:
-                accepted = 0
-                while accepted < k and rng.random() < p:
-                    accepted += 1
-                feedback.append(StepFeedback(r.req_id, k, accepted))
+        feedback = _feedback(rng, reqs, ks, full_p if pol.models_on else free_p)
         tokens = background + sum(1 + k for k in ks)
         seconds = (cost(tokens, drafting) if cost is not None
                    else full_s if drafting else free_s)
@@ -892,13 +898,7 @@ def _run_with_prefill(background: Callable[[int], int], cost: Callable[[int], fl
     for step in range(steps):
         ks = pol.choose(reqs, 4)
         drafted.append(sum(ks))
-        feedback = []
-        for r, k in zip(reqs, ks, strict=True):
-            if k:
-                accepted = 0
-                while accepted < k and rng.random() < p:
-                    accepted += 1
-                feedback.append(StepFeedback(r.req_id, k, accepted))
+        feedback = _feedback(rng, reqs, ks, p)
         tokens = background(step) + sum(1 + k for k in ks)
         pol.observe_step(StepTiming(n, tokens, cost(tokens)))
         pol.observe(feedback)
