@@ -779,21 +779,15 @@ _RETRY_BUDGET = 0.01
 class AdaptiveLookahead:
     """Per-request lookaheads maximising the batch's expected tokens per second.
 
-    For a choice ``k_1..k_n`` the batch is predicted to produce ``E = sum_r E_r(k_r)`` tokens
-    (:meth:`AcceptanceModel.expected_tokens`) in the decode share of the step, ``T = target(B +
-    sum_r (1 + k_r)) - target(B + n_0) + target(n_0) + visible drafting``, where ``target`` is the
-    :class:`StepCostModel`, ``B`` the prefill tokens the steps have been carrying and ``n_0`` the
-    decode tokens without drafts (with ``free_mode``, the two ``target`` terms that price the
-    chunk are on the curve without model drafting, so a plan with them pays for what a lent core
-    adds to the chunk's time). The prefill chunk's own time is left out (the run must spend
-    it whatever the lookahead), but draft tokens are priced at what they add on top of it: where
-    the chunk makes the step compute-bound a draft token costs as much as a prompt token, and a
-    draft that is likely rejected is not worth it; where decoding alone is memory-bound, drafts
-    are nearly free. (Counting the step's whole time against its output tokens would make
-    drafting look cheap in every prefill step; counting the prompt tokens as output would price
-    an output token, which costs a decode step's share, like a prompt token, and stop drafting
-    under load.) The drafting time is the :class:`DraftCostModel` of a call of ``max k_r``
-    positions for the requests with ``k_r > 0``: all of it in synchronous mode, only
+    For a choice ``k_1..k_n`` the batch is predicted to do ``B + sum_r E_r(k_r)`` tokens of work
+    (:meth:`AcceptanceModel.expected_tokens`, plus the prefill tokens ``B`` the steps have been
+    carrying: a prompt token is work the run must do as much as an output token, so drafts that
+    slow a compute-bound prefill step, or take its token budget, count against themselves; the
+    alternative measured, leaving the chunk's time out and pricing draft tokens at what they add
+    on top of it, drafted more in prefill steps and ran 5-10% slower served, see README) in
+    ``T = target(B + sum_r (1 + k_r)) + visible drafting``, where ``target`` is the
+    :class:`StepCostModel`, and the drafting time is the :class:`DraftCostModel` of a call of
+    ``max k_r`` positions for the requests with ``k_r > 0``: all of it in synchronous mode, only
     ``max(0, draft - target)`` when ``pipelined`` (drafts are computed behind the target's step).
     Drafters run concurrently in their own processes, so one call is modelled, not their sum.
 
@@ -932,17 +926,6 @@ class AdaptiveLookahead:
             t = max(t, self.step_cost_free(num_tokens))
         return t
 
-    def _prefill_seconds(self, num_reqs: int) -> float:
-        """The predicted time of the prefill chunk ``B`` in a step with ``num_reqs`` decodes:
-        ``cost(B + num_reqs) - cost(num_reqs)`` (0 without prefill), on the curve without model
-        drafting when there is one: what a lent core adds to the chunk's time is the model
-        drafters' cost, not the chunk's."""
-        if self._background <= 0:
-            return 0.0
-        cost = (self.step_cost_free if self.free_mode and not self.step_cost_free.is_empty
-                else self.step_cost)
-        return max(0.0, cost(self._background + num_reqs) - cost(num_reqs))
-
     def _retry_due(self) -> bool:
         return (self._steps - self._switched_at >= _RETRY_INTERVAL_STEPS
                 and self._retry_cost_s <= _RETRY_BUDGET
@@ -1052,7 +1035,6 @@ class AdaptiveLookahead:
             "decode_tokens": tokens, "total_tokens": total_tokens,
             "background_tokens": self._background,
             "expected_tokens": exp_tokens, "target_seconds": target_s, "step_seconds": step_s,
-            "decode_seconds": step_s - self._prefill_seconds(n),
             "mean_lookahead": sum(ks) / n, "histogram": hist,
         }
         return ks
@@ -1090,16 +1072,18 @@ class AdaptiveLookahead:
         # Stable sort by gain only: within a request gains never increase, so equal gains keep
         # their (request, position) order and every prefix of the list is a valid allocation.
         gains.sort(key=lambda g: -g[0])
-        exp_tokens = sum(1.0 + sum(qs[:lo]) for qs, lo in zip(cum, lows, strict=True))
+        # The rate counts the step's prefill tokens as work done, like its output tokens: where
+        # the target is compute-bound (prefill-heavy steps, a full token budget) a draft token
+        # costs as much as a prompt token, and only one likely to be accepted is worth it.
+        exp_tokens = self._background + sum(
+            1.0 + sum(qs[:lo]) for qs, lo in zip(cum, lows, strict=True))
         tokens = self._background + sum(1 + lo for lo in lows)
-        # The prefill chunk's own time, left out of the decodes' (see the class docstring).
-        offset = self._prefill_seconds(len(lows))
         num_drafted = sum(1 for lo in lows if lo > 0)
         max_k = max(lows)
         t0 = target(tokens)
         if drafting:
             t0 = self._step_seconds(t0, max_k, num_drafted)
-        best_rate = exp_tokens / max(t0 - offset, 1e-300)
+        best_rate = exp_tokens / max(t0, 1e-300)
         best_len = 0
         levels = list(lows)
         # The loop below is _step_seconds inlined (it runs for every draft token of the batch).
@@ -1118,7 +1102,7 @@ class AdaptiveLookahead:
             if measured:
                 d = c0 + max_k * (c1 + c2 * num_drafted)
                 t += (d - t if d > t else 0.0) if pipelined else d
-            rate = exp_tokens / max(t - offset, 1e-300)
+            rate = exp_tokens / max(t, 1e-300)
             if rate > threshold:
                 best_rate, best_len = rate, idx
                 threshold = best_rate * (1.0 + _MIN_RELATIVE_GAIN)
@@ -1136,8 +1120,7 @@ class AdaptiveLookahead:
         Drafters stream one token per request per engine step of ``t_d`` seconds
         (:class:`DraftCostModel` at one position), so waiting ``t_d`` brings each late request
         one more token, worth ``E_r(ready + 1) - E_r(ready)`` expected tokens. The batch now
-        yields ``S`` tokens in ``T`` (the chosen lookaheads, late drafts cut to what is ready;
-        ``T`` the step's decode share, as in the class docstring);
+        yields ``S`` tokens in ``T`` (the chosen lookaheads, late drafts cut to what is ready);
         waiting pays when ``(S + G) / (T + t_d) > S / T``: then the answer is ``t_d`` (clipped to
         ``max_wait_s``), else 0. The proposer asks again after each drafter step, so a wait
         stops as soon as the next token is not worth its time. In synchronous mode, or before
@@ -1149,7 +1132,7 @@ class AdaptiveLookahead:
         t_d = self.draft_cost(1, max(1, self._last.get("num_drafted", len(requests))))
         if not self.pipelined or not self._last or t_d <= 0:
             return max_wait_s
-        s = float(self._last["expected_tokens"])
+        s = float(self._last["expected_tokens"]) + float(self._last["background_tokens"])
         gain = 0.0
         for r, m in zip(requests, ready, strict=True):
             e = self._expected.get(r.req_id)
@@ -1158,7 +1141,7 @@ class AdaptiveLookahead:
                 continue
             s -= e[k] - e[m]  # what the late draft does not deliver now
             gain += e[m + 1] - e[m]
-        t = float(self._last["decode_seconds"])
+        t = float(self._last["step_seconds"])
         if gain <= 0 or t <= 0 or (s + gain) / (t + t_d) <= s / t:
             return 0.0
         return min(t_d, max_wait_s)
