@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-margins", action="store_true",
                      help="skip the target forward that measures top-2 margins at divergences")
     run.add_argument("--no-plots", action="store_true")
+    run.add_argument("--repeat", type=int, default=1,
+                     help="passes of the whole run, the method order reversed every other pass; "
+                          "each in OUT/pass-<i>, and OUT/repeats.md with every pass's speedup, "
+                          "their geometric mean and a 95%% interval (the noise here is 8-11%%)")
     run.add_argument("--out", default=None,
                      help="output folder (default: benchmarks/results/tmp/<time>-<mode>)")
 
@@ -98,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("b")
     compare.add_argument("--family", default="overall",
                          help="a family instead of overall: " + ", ".join(FAMILIES))
+
+    repeats = sub.add_parser("repeats", help="speedups over several runs of the same methods: "
+                                             "per pass, geometric mean, 95%% interval")
+    repeats.add_argument("results", nargs="+", help="run folders or their result.json")
+    repeats.add_argument("--out", default=None,
+                         help="folder for repeats.json and repeats.md (default: print only)")
     return parser
 
 
@@ -155,6 +165,19 @@ def main(argv: list[str] | None = None) -> int:
 
         print(compare(load_result(args.a), load_result(args.b), args.family))
         return 0
+    if args.command == "repeats":
+        from benchmarks import repeats
+
+        agg = repeats.aggregate(repeats.load_passes(args.results), args.results)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            repeats.write(agg, args.out)
+        print(repeats.render(agg))
+        return 0
+    if args.repeat < 1:
+        build_parser().error(f"--repeat: expected a number of passes >= 1, got {args.repeat}")
+
+    from dataclasses import replace
 
     from benchmarks.run import RunSettings, run
 
@@ -182,8 +205,24 @@ def main(argv: list[str] | None = None) -> int:
         variants=all_variants(args.variant),
         method_timeout_s=args.method_timeout_s, margins=not args.no_margins,
         plots=not args.no_plots)
-    run(settings, argv)
-    print(f"[bench] wrote {out}/result.json, summary.md, plots/")
-    with open(os.path.join(out, "summary.md")) as f:
-        print(f.read())
+    if args.repeat == 1:
+        run(settings, argv)
+        print(f"[bench] wrote {out}/result.json, summary.md, plots/")
+        with open(os.path.join(out, "summary.md")) as f:
+            print(f.read())
+        return 0
+    from benchmarks import repeats
+
+    methods = [m.strip() for m in settings.methods.split(",") if m.strip()]
+    passes, dirs = [], []
+    for i in range(args.repeat):
+        dirs.append(os.path.join(out, f"pass-{i + 1}"))
+        print(f"[bench] pass {i + 1} of {args.repeat}", flush=True)
+        passes.append(run(replace(settings, out_dir=dirs[-1],
+                                  methods=",".join(repeats.method_order(methods, i))), argv))
+    os.makedirs(out, exist_ok=True)
+    agg = repeats.aggregate(passes, [os.path.relpath(d, out) for d in dirs])
+    repeats.write(agg, out)
+    print(f"[bench] wrote {out}/pass-*/ and {out}/repeats.json, repeats.md")
+    print(repeats.render(agg))
     return 0

@@ -747,3 +747,110 @@ def test_pipeline_figures_from_smurfs_stats():
     assert figures["engine_steps"] == 20 and figures["no_models_share"] == 0.5
     # Synchronous drafting waits for all of it (and a little more): nothing hidden, clamped.
     assert pipeline_figures([record(5, 0, 3.5, 3.0, 9.0)])["hidden_share"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------
+# Repeated passes (benchmarks/repeats.py, run --repeat)
+
+
+def test_t_quantiles_match_scipy():
+    from benchmarks.repeats import t95
+
+    stats = pytest.importorskip("scipy.stats")
+    for dof in (1, 2, 3, 5, 10, 30):
+        assert t95(dof) == pytest.approx(stats.t.ppf(0.975, dof), abs=1e-3)
+    assert t95(200) == pytest.approx(1.96)
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t95(0)
+
+
+def test_speedups_reduce_to_geometric_mean_and_a_t_interval():
+    from benchmarks.repeats import reduce_speedups
+
+    r = reduce_speedups([1.0, 1.1, 0.9])
+    logs = np.log([1.0, 1.1, 0.9])
+    assert r["geomean"] == pytest.approx(np.exp(logs.mean()))
+    half = 4.303 * logs.std(ddof=1) / np.sqrt(3)
+    assert r["ci95"] == pytest.approx([np.exp(logs.mean() - half), np.exp(logs.mean() + half)])
+    assert r["ci95"][0] < 0.95 and r["ci95"][1] > 1.05  # three noisy passes resolve little
+    assert (r["min"], r["max"], r["speedups"]) == (0.9, 1.1, [1.0, 1.1, 0.9])
+    assert reduce_speedups([1.04])["ci95"] is None  # one pass: no interval
+    tight = reduce_speedups([1.03, 1.04, 1.05, 1.04])
+    assert 1.02 < tight["ci95"][0] < tight["geomean"] < tight["ci95"][1] < 1.06
+    with pytest.raises(ValueError, match="positive"):
+        reduce_speedups([1.0, 0.0])
+
+
+def test_method_order_alternates_between_passes():
+    from benchmarks.repeats import method_order
+
+    assert method_order(["none", "smurfs:6"], 0) == ["none", "smurfs:6"]
+    assert method_order(["none", "smurfs:6"], 1) == ["smurfs:6", "none"]
+    assert method_order(["none", "smurfs:6"], 2) == ["none", "smurfs:6"]
+
+
+def _pass(smurfs_c4: float) -> dict:
+    result = multi_load_result()  # baseline 20 tok/s at c4; suffix fails at c1
+    result["methods"][2]["loads"]["served@c4"]["totals"]["output_throughput"] = smurfs_c4
+    result["summary"] = summarize(result)
+    return json.loads(json.dumps(result))
+
+
+def test_aggregate_lists_every_pass_and_counts_the_missing_ones():
+    from benchmarks.repeats import aggregate, render
+
+    agg = aggregate([_pass(30.0), _pass(18.0)], ["pass-1", "pass-2"])
+    assert agg["num_passes"] == 2 and agg["baseline"] == "none@2threads"
+    assert list(agg["loads"]) == ["batch1", "served@c1", "served@c4"]
+    c4 = agg["loads"]["served@c4"]["smurfs:4@1thread"]
+    assert c4["speedups"] == pytest.approx([1.5, 0.9])
+    assert c4["geomean"] == pytest.approx(np.sqrt(1.5 * 0.9)) and c4["missing"] == 0
+    assert c4["mean_acceptance_length"] == pytest.approx(2.5)  # 1 + 6 accepted / 4 drafts
+    suffix_c1 = agg["loads"]["served@c1"]["suffix:4@2threads"]
+    assert suffix_c1["missing"] == 2 and "geomean" not in suffix_c1
+    assert agg["loads"]["served@c1"]["none@1thread"]["missing"] == 2  # never run there
+    assert agg["passes"][1]["source"] == "pass-2"
+    assert agg["passes"][0]["provenance"]["git"]["sha"] == "abc"
+    text = render(agg)
+    assert "# Speedups over 2 passes" in text
+    assert "| smurfs:4@1thread | 1.50x 0.90x | 1.162x |" in text
+    assert "| suffix:4@2threads | - | - | - | - | - | 2 |" in text
+    other = _pass(30.0)
+    other["summary"]["baseline"] = "none@1thread"
+    with pytest.raises(ValueError, match="different baselines"):
+        aggregate([_pass(30.0), other])
+    with pytest.raises(ValueError, match="no results"):
+        aggregate([])
+
+
+def test_run_repeat_makes_one_folder_per_pass_with_alternating_order(tmp_path, monkeypatch):
+    from benchmarks import cli
+    from benchmarks import run as run_module
+
+    calls = []
+
+    def fake_run(settings, argv):
+        calls.append((settings.out_dir, settings.methods))
+        os.makedirs(settings.out_dir, exist_ok=True)
+        result = _pass(30.0 if len(calls) == 1 else 22.0)
+        with open(os.path.join(settings.out_dir, "result.json"), "w") as f:
+            json.dump(result, f)
+        return result
+
+    monkeypatch.setattr(run_module, "run", fake_run)
+    out = tmp_path / "rep"
+    assert cli.main(["run", "--target", "/t", "--methods", "none,smurfs:4", "--repeat", "3",
+                     "--out", str(out)]) == 0
+    assert calls == [(str(out / "pass-1"), "none,smurfs:4"), (str(out / "pass-2"), "smurfs:4,none"),
+                     (str(out / "pass-3"), "none,smurfs:4")]
+    saved = json.loads((out / "repeats.json").read_text())
+    assert saved["loads"]["served@c4"]["smurfs:4@1thread"]["speedups"] == \
+        pytest.approx([1.5, 1.1, 1.1])
+    assert "pass-2" in (out / "repeats.md").read_text()
+    # the same reduction from the saved folders
+    assert cli.main(["repeats", str(out / "pass-1"), str(out / "pass-2") + "/result.json",
+                     "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "repeats.json").read_text())
+    assert again["loads"]["served@c4"]["smurfs:4@1thread"]["speedups"] == pytest.approx([1.5, 1.1])
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--target", "/t", "--repeat", "0"])
