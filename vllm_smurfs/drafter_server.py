@@ -61,14 +61,15 @@ DRAFTER_BLOCK_SIZE = 32
 
 
 def _die_with_parent() -> None:
-    """Ask the kernel to end this process when its parent dies (Linux)."""
+    """Ask the kernel to kill this process when its parent dies (Linux): SIGKILL, which also
+    ends it while it is stopped (the client stops a paused drafter)."""
     try:
         import ctypes
         import signal
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
     except OSError:
         pass
 

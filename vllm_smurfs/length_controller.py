@@ -116,8 +116,12 @@ class DraftTiming:
 class LookaheadPolicy(Protocol):
     """Chooses how many tokens to draft per request, learning from verification feedback."""
 
-    def observe(self, feedback: Sequence[StepFeedback]) -> None:
-        """Record the outcome of the last step (one entry per request that was drafted for)."""
+    def observe(self, feedback: Sequence[StepFeedback], models_ready: bool = True) -> None:
+        """Record the outcome of the last step (one entry per request that was drafted for).
+
+        ``models_ready``: whether the model drafters had caught up with the step's requests
+        (False while they re-prefill requests after a start or a pause: the step's feedback
+        then says little about what they deliver)."""
         ...
 
     def observe_step(self, timing: StepTiming) -> None:
@@ -201,7 +205,7 @@ class FixedLookahead:
         self.total_drafted = 0
         self.total_accepted = 0
 
-    def observe(self, feedback: Sequence[StepFeedback]) -> None:
+    def observe(self, feedback: Sequence[StepFeedback], models_ready: bool = True) -> None:
         for fb in feedback:
             self.total_drafted += fb.num_draft_tokens
             self.total_accepted += fb.num_accepted
@@ -764,16 +768,27 @@ _SWITCH_MARGIN = 0.05
 # Steps a mode is kept after a switch: each switch costs a restart, and a mode's estimates need a
 # few steps to reflect the present.
 _MIN_DWELL_STEPS = 8
-# Without model drafters, their estimates stop learning: at most every 256 steps the controller
-# retries them for one dwell, each request drafting at least one token, so a change (a lighter
-# load, more predictable text) is noticed. A retry's price is measured: the time its steps took
-# beyond what the step-cost curve without model drafting predicts for their token counts (the
-# lent cores, the drafters' catch-up prefill). The next retry waits until that price is at most
-# 1% of the time since the last one began: at batch 1 a retry costs ~8 slower steps and comes
-# every 256 steps or so; under a prefill-heavy load, where lending a core halves the target's
-# speed for seconds per step, retries become rare instead of costing a fifth of the run.
+# Without model drafters, their estimates stop learning: now and then the controller retries them,
+# each request drafting at least one token, so a change (a lighter load, more predictable text)
+# is noticed. A retry starts only in a quiet step (no prompt chunk in the last steps: lending a
+# core slows a prefill-heavy step most, and a chunk spoils the measurement) and ends as soon as
+# one arrives. It lasts until the model drafters have caught up (re-prefilled the requests they
+# dropped when paused; `observe`'s ``models_ready``) and then one dwell, at most
+# ``_RETRY_MAX_STEPS``: a retry that ends before the drafters deliver would learn only the
+# catch-up. A retry's price is measured: the time its steps took beyond what the step-cost curve
+# without model drafting predicts for their token counts (the lent cores, the catch-up). The next
+# retry waits ``_RETRY_INTERVAL_STEPS`` after the last switch, doubled after every retry that
+# ended with the models left out again (at most ``_RETRY_MAX_BACKOFF`` doublings: 16384 steps),
+# back to 256 once they are kept; and until the last retry's price is at most 1% of the time
+# since it began. Where the models never pay (a 2-core CPU) retries thus cost well under 1%.
 _RETRY_INTERVAL_STEPS = 256
+_RETRY_MAX_BACKOFF = 6
+_RETRY_MAX_STEPS = 64
 _RETRY_BUDGET = 0.01
+# Background (prompt) tokens below which a step counts as quiet for a retry: the smoothed
+# background of a step after a chunk is half the chunk, so one prompt token keeps it busy for
+# about one step, a 256-token chunk for about nine.
+_QUIET_BACKGROUND = 0.5
 
 
 class AdaptiveLookahead:
@@ -867,7 +882,11 @@ class AdaptiveLookahead:
         self.step_cost_free = StepCostModel(cost_window)
         self._models_on = True
         self._switched_at = -_MIN_DWELL_STEPS
-        self._retry_until = 0  # model drafting retried until this step
+        self._retry_start: int | None = None  # step the retry going on began at (None: none)
+        self._retry_ready_steps = 0  # its steps whose feedback came from caught-up drafters
+        self._retry_backoff = 0  # doublings of the retry interval (failed retries in a row)
+        self._judge_retry = False  # the next greedy choice tells whether the last retry paid
+        self.retries = 0
         self._elapsed_s = 0.0  # target step seconds observed so far
         self._retry_started_s = 0.0  # _elapsed_s when the last retry began
         self._retry_cost_s = 0.0  # its measured price (see _RETRY_BUDGET)
@@ -887,9 +906,12 @@ class AdaptiveLookahead:
     def models_on(self) -> bool:
         return self._models_on
 
-    def observe(self, feedback: Sequence[StepFeedback]) -> None:
+    def observe(self, feedback: Sequence[StepFeedback], models_ready: bool = True) -> None:
         # The feedback is about the drafts of the last choice, made in its mode.
         (self.acceptance if self._models_on else self.acceptance_free).observe(feedback)
+        if (self._retry_start is not None and self._models_on and models_ready
+                and any(fb.num_draft_tokens for fb in feedback)):
+            self._retry_ready_steps += 1
 
     def observe_step(self, timing: StepTiming) -> None:
         self._elapsed_s += timing.seconds
@@ -927,9 +949,25 @@ class AdaptiveLookahead:
         return t
 
     def _retry_due(self) -> bool:
-        return (self._steps - self._switched_at >= _RETRY_INTERVAL_STEPS
+        return (self._steps - self._switched_at >= _RETRY_INTERVAL_STEPS << self._retry_backoff
+                and self._background < _QUIET_BACKGROUND
                 and self._retry_cost_s <= _RETRY_BUDGET
                 * (self._elapsed_s - self._retry_started_s))
+
+    def _retrying(self) -> bool:
+        """Whether the retry going on (if any) goes on this step; ends it when it is over: the
+        drafters delivered for a dwell, or never within ``_RETRY_MAX_STEPS``, or a prompt
+        chunk came. The step that ends it is decided afresh (no dwell)."""
+        if self._retry_start is None:
+            return False
+        if (self._retry_ready_steps < _MIN_DWELL_STEPS
+                and self._steps - self._retry_start < _RETRY_MAX_STEPS
+                and self._background < _QUIET_BACKGROUND):
+            return True
+        self._retry_start = None
+        self._switched_at = self._steps - _MIN_DWELL_STEPS
+        self._judge_retry = True
+        return False
 
     def _step_seconds(self, target_s: float, max_k: int, num_drafted: int) -> float:
         draft_s = self.draft_cost(max_k, num_drafted)
@@ -976,22 +1014,30 @@ class AdaptiveLookahead:
             caps, cum = free_caps, self._cumulative(self.acceptance_free, ids, free_caps)
         elif self.free_mode and not self._models_on and self._retry_due():
             ks, mode = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)], "retry"
-            self._switched_at, self._retry_until = self._steps, self._steps + _MIN_DWELL_STEPS
+            self._switched_at, self._retry_start, self._retry_ready_steps = self._steps, \
+                self._steps, 0
             self._retry_started_s, self._retry_cost_s = self._elapsed_s, 0.0
             self.switches += 1
+            self.retries += 1
         else:
-            if self._steps < self._retry_until:  # a retry drafts, or it learns nothing
+            retrying = self.free_mode and self._retrying()
+            if retrying:  # a retry drafts, or it learns nothing
                 lows = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)]
             ks, rate = self._greedy(cum, caps, lows, self._drafting_cost, drafting=True)
-            mode = "greedy"
+            mode = "retry" if retrying else "greedy"
             if self.free_mode:
                 cum_free = self._cumulative(self.acceptance_free, ids, free_caps)
                 ks_free, rate_free = self._greedy(cum_free, free_caps, free_lows,
                                                   self.step_cost_free, drafting=False)
-                models = self._decide(rate, rate_free)
+                models = retrying or self._decide(rate, rate_free)
+                if self._judge_retry and not retrying:
+                    # Left out again right after a retry: it did not pay, wait longer.
+                    self._retry_backoff = (min(self._retry_backoff + 1, _RETRY_MAX_BACKOFF)
+                                           if not models else 0)
+                    self._judge_retry = False
                 if not models:
                     ks, mode, caps, cum = ks_free, "greedy-free", free_caps, cum_free
-        self._planned_retry = models and self._steps < self._retry_until
+        self._planned_retry = models and self._retry_start is not None
         if models != self._models_on:
             if mode.startswith("greedy"):
                 self._switched_at = self._steps
@@ -1159,6 +1205,8 @@ class AdaptiveLookahead:
             "free_mode": self.free_mode,
             "models_on": self._models_on,
             "switches": self.switches,
+            "retries": self.retries,
+            "retry_interval_steps": _RETRY_INTERVAL_STEPS << self._retry_backoff,
             "retry_cost_s": round(self._retry_cost_s, 6),
             "steps": self._steps,
             "step_cost_free": self.step_cost_free.snapshot(),

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,8 +117,12 @@ class ModelDrafterClient:
         self._conn: Connection | None = None
         self._listener: Listener | None = None
         self._paths: dict[str, _Path] = {}
+        # Requests tracked and not forgotten since: a "reset" for any other is a late answer to
+        # a track sent before the request was forgotten, and must not bring its path back.
+        self._live: set[str] = set()
         self._unacked = 0  # messages sent that the server has not acknowledged yet
         self._tracking = False  # tracked something since the last pause
+        self._frozen = False  # the process is stopped (SIGSTOP) while paused
         self._last_heard = time.monotonic()
         #: (num_reqs, seconds) of engine steps not yet handed to the length controller
         self.step_timings: list[tuple[int, float]] = []
@@ -166,6 +171,7 @@ class ModelDrafterClient:
                     message[1]["pid"], message[1]["cpus"], message[1]["load_s"])
 
     def close(self) -> None:
+        self._thaw()
         if self._conn is not None:
             try:
                 self._conn.send(("shutdown",))
@@ -195,6 +201,7 @@ class ModelDrafterClient:
         """
         if not self.alive or not items:
             return False
+        self._thaw()
         if self._unacked >= MAX_MESSAGES_IN_FLIGHT:
             # Behind (or hung): sending more would only fill the socket until send() blocks.
             self.health.steps_skipped_busy += 1
@@ -203,13 +210,45 @@ class ModelDrafterClient:
         batch = [(req_id, np.asarray(context, dtype=np.int32), max_lead)
                  for req_id, context, max_lead in items if len(context) < self.max_model_len]
         sent = bool(batch) and self._send(("track", batch))
+        if sent:
+            self._live.update(req_id for req_id, _, _ in batch)
         self._tracking |= sent
         return sent
 
     def pause(self) -> None:
-        """Stop drafting for every request until the next `track` (paths answer "stop")."""
+        """Stop drafting for every request until the next `track` (paths answer "stop"), and
+        stop the process (SIGSTOP) at once: a drafter on a core the target takes back must not
+        finish its engine step there (a chunk of prefill takes a second on one core, and every
+        OpenMP thread of the target waits for the one it shares a core with)."""
         if self.alive and self._tracking:
             self._tracking = not self._send(("pause",))
+            if not self._tracking:
+                self._freeze()
+
+    def resume(self) -> None:
+        """Let a paused drafter's process run again (it then takes the pause, and what comes
+        after it, in order); `track` does it too."""
+        self._thaw()
+
+    def _freeze(self) -> None:
+        if self._frozen or self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.kill(self._proc.pid, signal.SIGSTOP)
+        except OSError:
+            return
+        self._frozen = True
+
+    def _thaw(self) -> None:
+        if not self._frozen:
+            return
+        self._frozen = False
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.kill(self._proc.pid, signal.SIGCONT)
+            except OSError:
+                pass
+        self._last_heard = time.monotonic()  # silence while stopped was not a hang
 
     def draft_for(self, req_id: str, context: np.ndarray, k: int) -> list[int]:
         """Up to k tokens continuing ``context`` along this drafter's path (may be empty)."""
@@ -240,7 +279,10 @@ class ModelDrafterClient:
     def forget(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
             self._paths.pop(req_id, None)
-        if self.alive and req_ids:
+            self._live.discard(req_id)
+        # A paused server has dropped every request already (and a stopped one must not be sent
+        # a message per finished request).
+        if self.alive and req_ids and self._tracking:
             self._send(("forget", list(req_ids)))
 
     def _send(self, message: tuple[Any, ...]) -> bool:
@@ -259,7 +301,7 @@ class ModelDrafterClient:
         return any(p.drafting for p in self._paths.values())
 
     def _check_hung(self) -> None:
-        if not self.alive or not (self._unacked or self._owes_tokens()):
+        if not self.alive or self._frozen or not (self._unacked or self._owes_tokens()):
             return
         silent = time.monotonic() - self._last_heard
         if silent > self.hang_timeout_s:
@@ -294,7 +336,8 @@ class ModelDrafterClient:
 
     def _apply(self, req_id: str, kind: str, payload: Any) -> None:
         if kind == "reset":
-            self._paths[req_id] = _Path(payload, drafting=True)
+            if req_id in self._live:
+                self._paths[req_id] = _Path(payload, drafting=True)
             return
         path = self._paths.get(req_id)
         if path is None:
@@ -368,6 +411,11 @@ class MultiDraftWorker:
     def model_drafters(self) -> list[ModelDrafterClient]:
         return [d for d in self.drafters if isinstance(d, ModelDrafterClient)]
 
+    @property
+    def model_indices(self) -> list[int]:
+        """Positions of the model drafters in `names` (and in each request's drafts)."""
+        return [i for i, d in enumerate(self.drafters) if isinstance(d, ModelDrafterClient)]
+
     def start(self, timeout_s: float = 600.0) -> None:
         """Start all model drafters at once and wait until each is ready or left out."""
         for drafter in self.model_drafters:
@@ -399,9 +447,11 @@ class MultiDraftWorker:
 
     def use_models(self, on: bool) -> None:
         """Model drafters draft (the target lends them the cores it shares with them) or are
-        paused (the target takes its cores back)."""
-        if not on:
-            for drafter in self.model_drafters:
+        paused (their processes stopped, and the target takes its cores back)."""
+        for drafter in self.model_drafters:
+            if on:
+                drafter.resume()
+            else:
                 drafter.pause()
         self.elastic.lend(on)
 

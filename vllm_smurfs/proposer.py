@@ -43,10 +43,6 @@ from vllm_smurfs.vote_sampler import (
 
 logger = logging.getLogger(__name__)
 
-# Steps after model drafters start (or restart) drafting whose undelivered lookahead is not held
-# against them: they are prefilling the requests' contexts; the policy's switch margin covers it.
-_WARM_UP_STEPS = 2
-
 
 @dataclass(frozen=True)
 class StepContext:
@@ -162,6 +158,12 @@ class SmurfsProposer:
         # Consecutive steps with model drafting, up to now (0: the last step had none, and the
         # first step that gives them work makes the target lend them its shared cores).
         self._drafting_steps = 0
+        # Requests that were running when the model drafters (re)started and that they have not
+        # delivered a draft for since: they are re-prefilling them (a paused drafter drops its
+        # requests), so a lookahead they leave undelivered is the switch's one-off cost, not
+        # what a lookahead brings; requests that arrive later count from their start.
+        self._catching_up: set[str] = set()
+        self._models_ready = True  # the model drafters had caught up with the last step
 
     # -- vLLM's proposer interface ------------------------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
@@ -218,6 +220,7 @@ class SmurfsProposer:
         models = (self.policy.models_on and any(lookaheads) and self.worker.models_alive)
         if models != (self._drafting_steps > 0):
             self.worker.use_models(models)
+            self._catching_up = {view.req_id for view in views} if models else set()
         self._drafting_steps = self._drafting_steps + 1 if models else 0
         self.stats.steps_without_models += not models
         chosen = [(i, view, k, context, per) for i, view, k, context, per
@@ -272,6 +275,12 @@ class SmurfsProposer:
             self.worker.wait(requests, self.config.draft_timeout_s)
         self.stats.wait_s += time.perf_counter() - started
         drafts = self.worker.ready(requests, models, free)
+        if models:
+            model_rows = self.worker.model_indices
+            for request, per in zip(requests, drafts):
+                if any(per[d] for d in model_rows):
+                    self._catching_up.discard(request.req_id)
+            self._models_ready = not any(r.req_id in self._catching_up for r in requests)
         self.stats.requests_drafted += len(requests)
         self.stats.requests_without_draft += sum(1 for per in drafts if not any(per))
         return drafts
@@ -287,6 +296,7 @@ class SmurfsProposer:
         req_ids = list(req_ids)
         for req_id in req_ids:
             self._states.pop(req_id, None)
+        self._catching_up.difference_update(req_ids)
         self.policy.forget(req_ids)
         self.worker.forget(req_ids)
 
@@ -308,9 +318,10 @@ class SmurfsProposer:
             verified = (state.voted if step.verified_drafts is None
                         else step.verified_drafts.get(req_id, []))
             # The policy learns what a lookahead brings: chosen tokens no drafter had ready in
-            # time count as rejected (the scheduler's own cuts do not).
+            # time count as rejected (the scheduler's own cuts do not), except while the model
+            # drafters catch up after a switch.
             shortfall = (max(0, state.chosen - len(state.voted))
-                         if self._drafting_steps > _WARM_UP_STEPS else 0)
+                         if req_id not in self._catching_up else 0)
             accepted = matched_prefix_len(verified, produced)
             if verified or shortfall:
                 feedback.append(StepFeedback(req_id, len(verified) + shortfall, accepted))
@@ -328,7 +339,8 @@ class SmurfsProposer:
             state.voted = state.drafts = None
         for drafter_stats, weight in zip(self.stats.drafters, self.global_weights.weights):
             drafter_stats.weight = weight
-        self.policy.observe(feedback)
+        self.policy.observe(feedback, models_ready=self._models_ready)
+        self._models_ready = True
         return feedback
 
     def _write_trace(self, step: StepContext, sampled_token_ids: list[list[int]],

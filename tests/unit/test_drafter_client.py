@@ -158,11 +158,13 @@ def test_client_mirrors_the_path_and_serves_contexts_it_extends(client_and_serve
 
 def test_forget_drops_paths_and_tells_the_server(client_and_server):
     client, server = client_and_server
-    server.send(("update", 0, [("r", "reset", ctx(1)), ("r", "extend", (1, ctx(2, 3)))], []))
+    client.track([("r", ctx(1), 4)])
+    server.send(("update", 1, [("r", "reset", ctx(1)), ("r", "extend", (1, ctx(2, 3)))], []))
     client.poll(1.0)
+    assert client.draft_for("r", ctx(1), 2) == [2, 3]
     client.forget(["r"])
     assert client.draft_for("r", ctx(1), 2) == []
-    assert taken(server) == [("forget", ["r"])]
+    assert [m[0] for m in taken(server)] == ["track", "forget"]
 
 
 def test_pause_is_sent_once_after_tracking_and_stops_the_client_waiting(client_and_server):
@@ -221,3 +223,61 @@ def test_free_drafts_taken_at_the_longest_lookahead_serve_every_shorter_one():
     for k in range(7):
         request = DraftRequest("r", text, k)
         assert worker.ready([request], models=False, free=[free]) == worker.ready([request])
+
+
+def test_a_late_reset_for_a_forgotten_request_does_not_bring_it_back(client_and_server):
+    # The server answered a track (a "reset": it starts drafting) while the request finished on
+    # the client. The late reset must not leave a path that looks drafting forever: after an
+    # idle gap (a quiet server) that looked like a drafter owing tokens and silent, i.e. hung.
+    client, server = client_and_server
+    client.track([("r", ctx(1, 2), 4)])
+    client.forget(["r"])
+    assert [m[0] for m in taken(server)] == ["track", "forget"]
+    server.send(("update", 1, [("r", "reset", ctx(1, 2))], []))
+    server.send(("update", 1, [], []))  # the forget taken: the server aborted "r"
+    client.poll(1.0)
+    assert client.draft_for("r", ctx(1, 2), 4) == [] and not client.is_drafting("r", ctx(1, 2))
+    time.sleep(0.25)  # silent past hang_timeout_s, owing nothing
+    client.poll()
+    assert client.health.alive
+    client.track([("r", ctx(1, 2), 4)])  # the same id tracked again is served again
+    server.send(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
+    client.poll(1.0)
+    assert client.draft_for("r", ctx(1, 2), 4) == [3]
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_paused_drafter_is_stopped_until_it_drafts_again(client_and_server):
+    # Pausing stops the process at once (it must not finish an engine step on a core the target
+    # takes back); a stopped drafter is never declared hung; the next track lets it run.
+    import subprocess
+
+    client, server = client_and_server
+    client._proc = subprocess.Popen(["sleep", "60"])
+    try:
+        client.track([("r", ctx(1), 4)])
+        client.pause()
+        assert _state(client._proc.pid) == "T"
+        client.forget(["r"])  # a paused server has dropped it already: nothing sent
+        assert [m[0] for m in taken(server)] == ["track", "pause"]
+        time.sleep(0.25)  # pause and track unanswered, past hang_timeout_s: stopped, not hung
+        client.poll()
+        assert client.health.alive
+        client.resume()
+        assert _state(client._proc.pid) in "SR"
+        client.poll()  # the hang clock starts again when it runs
+        assert client.health.alive
+        client.pause()  # nothing tracked since: nothing to pause, and it keeps running
+        assert _state(client._proc.pid) in "SR"
+        client.track([("s", ctx(2), 4)])
+        client.pause()
+        client.track([("s", ctx(2, 3), 4)])  # tracking again lets it run
+        assert _state(client._proc.pid) in "SR"
+    finally:
+        client._proc.kill()
+        client._proc.wait()
+        client._proc = None

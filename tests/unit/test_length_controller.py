@@ -756,25 +756,27 @@ def _feedback(rng: random.Random, reqs: list[RequestView], ks: list[int],
 def _run_modes(pol: AdaptiveLookahead, steps: int, *, full_s: float = 0.0, free_s: float = 0.0,
                full_p: float, free_p: float, free_len: int, n: int = 1, seed: int = 0,
                cost: Callable[[int, bool], float] | None = None,
-               background: int = 0) -> list[bool]:
+               background: int | Callable[[int], int] = 0,
+               ready: Callable[[int], bool] | None = None) -> list[bool]:
     """Drive ``pol`` like the proposer: a step with model drafting takes ``full_s`` and its
     drafts are accepted per position with ``full_p``; one without takes ``free_s`` and the
     model-free voters have ``free_len`` tokens, accepted with ``free_p``. Per step: models_on.
-    With ``cost``, a step takes ``cost(tokens, drafting)`` instead; every step carries
-    ``background`` prefill tokens."""
+    With ``cost``, a step takes ``cost(tokens, drafting)`` instead; step ``i`` carries
+    ``background`` (or ``background(i)``) prefill tokens; ``ready(i)``: whether the model
+    drafters had caught up in step ``i`` (always, by default)."""
     rng = random.Random(seed)
     reqs = _reqs(n)
     modes = []
-    for _ in range(steps):
+    for i in range(steps):
         ks = pol.choose(reqs, 6, [free_len] * n)
         drafting = pol.models_on and any(ks)
         modes.append(pol.models_on)
         feedback = _feedback(rng, reqs, ks, full_p if pol.models_on else free_p)
-        tokens = background + sum(1 + k for k in ks)
+        tokens = (background(i) if callable(background) else background) + sum(1 + k for k in ks)
         seconds = (cost(tokens, drafting) if cost is not None
                    else full_s if drafting else free_s)
         pol.observe_step(StepTiming(n, tokens, seconds, drafting=drafting))
-        pol.observe(feedback)
+        pol.observe(feedback, models_ready=True if ready is None else ready(i))
     return modes
 
 
@@ -782,13 +784,16 @@ def test_free_mode_leaves_model_drafters_out_when_they_cost_more_than_they_bring
     # The 2-core case: model drafting costs the target a core (0.32 s vs 0.22 s per step) and
     # brings 0.55 per position; the n-gram voter has 3 tokens at 0.6 for free.
     pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
-    modes = _run_modes(pol, 700, full_s=0.32, free_s=0.22, full_p=0.55, free_p=0.6, free_len=3)
+    modes = _run_modes(pol, 1000, full_s=0.32, free_s=0.22, full_p=0.55, free_p=0.6, free_len=3)
     assert modes[:3] == [True, True, False]  # explore: longest, shortest, then without models
     assert not any(modes[30:250])  # settled without model drafters
-    # ... retrying them for one dwell now and then (the load or the text may have changed).
+    # ... retrying them for one dwell now and then (the load or the text may have changed),
+    # less often after each retry that did not pay.
     runs = [(on, len(list(g))) for on, g in itertools.groupby(modes[250:-1])]
     assert [n for on, n in runs if on][:2] == [length_controller._MIN_DWELL_STEPS] * 2
+    assert [n for on, n in runs if not on][1] == 2 * length_controller._RETRY_INTERVAL_STEPS
     assert sum(modes) / len(modes) < 0.05
+    assert pol.snapshot()["retry_interval_steps"] == 4 * length_controller._RETRY_INTERVAL_STEPS
 
 
 def _retry_starts(modes: list[bool]) -> list[int]:
@@ -799,23 +804,80 @@ def _retry_starts(modes: list[bool]) -> list[int]:
 def test_free_mode_retries_cost_at_most_one_percent_of_the_time(full_s: float) -> None:
     # Model drafts (0.2 per position) never pay against the voter's (3 tokens at 0.9): every
     # switch on after the start is a retry, and a retry's price is its 8 steps' time beyond the
-    # 0.22 s a step takes without model drafting. Cheap retries come every 256 steps; dear ones
-    # (a lent core under a prefill-heavy load: 2 s steps) wait until they cost <= 1% of the time.
+    # 0.22 s a step takes without model drafting. Cheap retries come 256 steps after the first
+    # switch off, then twice as long after each retry that did not pay; dear ones (a lent core
+    # under a prefill-heavy load: 2 s steps) also wait until they cost <= 1% of the time.
     pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
-    modes = _run_modes(pol, 3000, full_s=full_s, free_s=0.22, full_p=0.2, free_p=0.9,
+    modes = _run_modes(pol, 8000, full_s=full_s, free_s=0.22, full_p=0.2, free_p=0.9,
                        free_len=3)
     starts = _retry_starts(modes)
     price = length_controller._MIN_DWELL_STEPS * (full_s - 0.22)
     dwell = length_controller._MIN_DWELL_STEPS
-    # Steps from one retry to the next: 256 after the dwell, or until the time since the last
-    # retry began (its dwell at full_s, then steps at 0.22 s) reaches 100x its price.
-    gap = dwell + max(length_controller._RETRY_INTERVAL_STEPS, math.ceil(
-        (price / length_controller._RETRY_BUDGET - dwell * full_s) / 0.22))
-    assert starts and all(gap <= b - a <= gap + 2 for a, b in zip(starts, starts[1:]))
-    assert len(starts) >= 1 + (len(modes) - 1 - starts[0]) // (gap + 2)  # none skipped
+    budget_steps = math.ceil((price / length_controller._RETRY_BUDGET - dwell * full_s) / 0.22)
+    # Steps from retry i to the next: its dwell, then 256 << (i + 1) steps without models, or
+    # until the time since retry i began (its dwell at full_s, then steps at 0.22 s) reaches
+    # 100x its price.
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    expected = [dwell + max(length_controller._RETRY_INTERVAL_STEPS << (i + 1), budget_steps)
+                for i in range(len(gaps))]
+    assert len(starts) >= 2
+    assert all(e <= g <= e + 2 for g, e in zip(gaps, expected, strict=True)), (gaps, expected)
+    next_gap = dwell + max(length_controller._RETRY_INTERVAL_STEPS << len(starts), budget_steps)
+    assert starts[-1] + next_gap >= len(modes) - 2  # none skipped
     assert pol.snapshot()["retry_cost_s"] == pytest.approx(price)
     wasted = sum(full_s - 0.22 for on in modes[30:] if on)
     assert wasted <= 0.011 * 0.22 * len(modes) + price
+
+
+def test_retries_start_in_quiet_steps_only_and_end_when_a_prompt_chunk_comes() -> None:
+    # Prompt chunks in steps 700-899 (a busy server), else quiet. The first retry is due at
+    # step 258 and starts then; after its failure the next one is due 520 steps later, inside
+    # the busy stretch: it waits for the quiet steps after it. A chunk arriving during a retry
+    # ends it at once.
+    def busy(i: int) -> int:
+        return 700 if 700 <= i < 900 else 0
+
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol, 1200, full_s=0.32, free_s=0.22, full_p=0.2, free_p=0.9,
+                       free_len=3, background=busy)
+    assert not any(on for i, on in enumerate(modes[3:], 3) if busy(i) or busy(i - 1))
+    starts = _retry_starts(modes)
+    assert starts[0] == 258 and 900 < starts[1] <= 915
+
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol, 400, full_s=0.32, free_s=0.22, full_p=0.2, free_p=0.9, free_len=3,
+                       background=lambda i: 700 if i == 262 else 0)
+    assert modes[258:263] == [True] * 5 and not any(modes[263:])  # cut short by the chunk
+
+
+def test_a_retry_waits_for_the_drafters_to_catch_up_then_measures_one_dwell() -> None:
+    # After the pause the drafters re-prefill the requests for 20 steps (no model drafts yet);
+    # the retry then measures a dwell of delivered drafts. Drafters that never catch up are
+    # given at most _RETRY_MAX_STEPS.
+    dwell, cap = length_controller._MIN_DWELL_STEPS, length_controller._RETRY_MAX_STEPS
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol, 400, full_s=0.32, free_s=0.22, full_p=0.2, free_p=0.9, free_len=3,
+                       ready=lambda i: i >= 278)
+    (start,) = _retry_starts(modes)
+    assert start == 258 and modes[start:start + 20 + dwell] == [True] * (20 + dwell)
+    assert not any(modes[start + 20 + dwell:])
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol, 400, full_s=0.32, free_s=0.22, full_p=0.2, free_p=0.9, free_len=3,
+                       ready=lambda i: i < 100)
+    (start,) = _retry_starts(modes)
+    assert modes[start:start + cap] == [True] * cap and not any(modes[start + cap:])
+
+
+def test_a_retry_that_pays_keeps_the_models_and_resets_the_interval() -> None:
+    # The model drafts are worthless for 1300 steps (two failed retries double the interval),
+    # then the text turns predictable for them: the next retry keeps them.
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol, 1300, full_s=0.25, free_s=0.22, full_p=0.1, free_p=0.5, free_len=2)
+    assert pol.snapshot()["retry_interval_steps"] == 4 * length_controller._RETRY_INTERVAL_STEPS
+    modes = _run_modes(pol, 1200, full_s=0.25, free_s=0.22, full_p=0.95, free_p=0.5,
+                       free_len=2, seed=1)
+    assert all(modes[-100:])
+    assert pol.snapshot()["retry_interval_steps"] == length_controller._RETRY_INTERVAL_STEPS
 
 
 def test_free_mode_keeps_model_drafters_when_they_pay() -> None:

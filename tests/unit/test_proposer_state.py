@@ -28,6 +28,7 @@ class ScriptedWorker:
         self.models_alive = True
         self.free: list[int] | None = None  # model-free draft lengths (default: none ready)
         self.models_used: list[bool] = []
+        self.model_indices = list(range(len(self.names)))
 
     def start(self):
         pass
@@ -152,10 +153,11 @@ class _ScriptedPolicy:
 
     def __init__(self, k, models_on):
         self.k, self.models_on = k, models_on
-        self.feedback, self.timings, self.free_lens = [], [], []
+        self.feedback, self.timings, self.free_lens, self.ready = [], [], [], []
 
-    def observe(self, feedback):
+    def observe(self, feedback, models_ready=True):
         self.feedback.extend(feedback)
+        self.ready.append(models_ready)
 
     def observe_step(self, timing):
         self.timings.append(timing)
@@ -204,14 +206,23 @@ def test_the_first_drafting_step_lends_the_shared_cores(proposer):
 
 def test_lookahead_no_drafter_delivered_counts_as_rejected_for_the_policy(proposer):
     proposer.policy = _ScriptedPolicy(4, models_on=True)
-    proposer.worker.script = [lambda ctx, k: [7, 8][:k], lambda ctx, k: []]
-    step(proposer, ["a"], [[5]], [10])  # chose 4, the drafters had 2 ready: [7, 8] verified
-    step(proposer, ["a"], [[7, 1]], [13])  # the target accepted 7, then produced 1
-    # While the drafters warm up (prefilling), what they had not ready is not held against them.
-    assert [(f.num_draft_tokens, f.num_accepted) for f in proposer.policy.feedback] == [(2, 1)]
-    step(proposer, ["a"], [[7, 1]], [15])
-    step(proposer, ["a"], [[7, 1]], [17])
-    fb = proposer.policy.feedback[-1]
-    assert (fb.num_draft_tokens, fb.num_accepted) == (4, 1)  # then undelivered = rejected
+    # The first model drafter's drafts per request, step after step; the second has none.
+    script = {"a": [[], [7, 8], [7, 8], [7, 8]], "b": [[], []]}
+
+    def ready(requests, models=True, free=None):
+        return [[script[r.req_id].pop(0)[:r.k], []] for r in requests]
+
+    proposer.worker.ready = ready
+    step(proposer, ["a"], [[5]], [10])  # the models come on: "a" has to be re-prefilled
+    step(proposer, ["a"], [[1]], [11])  # it was still catching up: nothing ready, nothing held
+    assert proposer.policy.feedback == [] and proposer.policy.ready == [True, False]
+    # "a" caught up: [7, 8] of the 4 chosen, 7 accepted; "b" arrives while the models draft.
+    step(proposer, ["a", "b"], [[7, 1], [3]], [13, 30])
+    step(proposer, ["a", "b"], [[7, 1], [4]], [15, 31])
+    # Undelivered lookahead of a caught-up request, and of a request that came later, counts
+    # as rejected: what a lookahead actually brings.
+    assert [(f.req_id, f.num_draft_tokens, f.num_accepted)
+            for f in proposer.policy.feedback] == [("a", 4, 1), ("a", 4, 1), ("b", 4, 0)]
+    assert proposer.policy.ready == [True, False, True, True]
     stats = proposer.stats  # the reported acceptance stays about verified tokens
-    assert (stats.verified_draft_tokens, stats.accepted_tokens) == (6, 3)
+    assert (stats.verified_draft_tokens, stats.accepted_tokens) == (4, 2)
