@@ -40,7 +40,9 @@ measured: each costs a re-prefill of the last block and shares the memory bandwi
 need, and the target's token matched the drafter's second choice too rarely; on the 2-core CPU
 machine they lowered tokens/s.)
 
-``timing`` lists ``(num_reqs, seconds)`` of the engine steps of the round, for the cost model.
+``timing`` lists ``(num_reqs, seconds, started)`` of the engine steps of the round, for the cost
+model (``started``: ``time.monotonic()`` when the step began, so that the client can leave out a
+step it stopped the process in the middle of).
 """
 
 from __future__ import annotations
@@ -184,14 +186,15 @@ class PathDrafter:
             self.forget(req_id)
             self.records.append((req_id, "stop", None))
 
-    def step(self) -> tuple[int, float] | None:
-        """One engine step for every drafting request; (num_reqs, seconds), None if idle."""
+    def step(self) -> tuple[int, float, float] | None:
+        """One engine step for every drafting request; (num_reqs, seconds, monotonic start),
+        None if idle."""
         if not self.engine.busy():
             return None
         num_reqs = sum(1 for t in self.tracks.values() if t.engine_id is not None)
-        started = time.perf_counter()
+        started = time.monotonic()
         moved = self.engine.step()
-        seconds = time.perf_counter() - started
+        seconds = time.monotonic() - started
         for engine_id, tokens, finished in moved:
             req_id = engine_id.rpartition("#")[0]
             t = self.tracks.get(req_id)
@@ -204,7 +207,7 @@ class PathDrafter:
             if finished:
                 t.engine_id = None
                 self.records.append((req_id, "stop", None))
-        return num_reqs, seconds
+        return num_reqs, seconds, started
 
     def take_records(self) -> list[tuple[str, str, Any]]:
         records, self.records = self.records, []

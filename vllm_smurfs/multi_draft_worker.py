@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
@@ -123,6 +124,8 @@ class ModelDrafterClient:
         self._unacked = 0  # messages sent that the server has not acknowledged yet
         self._tracking = False  # tracked something since the last pause
         self._frozen = False  # the process is stopped (SIGSTOP) while paused
+        self._stops: deque[tuple[float, float]] = deque(maxlen=8)  # recent (stopped, resumed)
+        self._stopped_at = 0.0
         self._last_heard = time.monotonic()
         #: (num_reqs, seconds) of engine steps not yet handed to the length controller
         self.step_timings: list[tuple[int, float]] = []
@@ -238,6 +241,7 @@ class ModelDrafterClient:
         except OSError:
             return
         self._frozen = True
+        self._stopped_at = time.monotonic()
 
     def _thaw(self) -> None:
         if not self._frozen:
@@ -249,6 +253,11 @@ class ModelDrafterClient:
             except OSError:
                 pass
         self._last_heard = time.monotonic()  # silence while stopped was not a hang
+        self._stops.append((self._stopped_at, self._last_heard))
+
+    def _was_stopped_during(self, started: float, seconds: float) -> bool:
+        return any(started < resumed and started + seconds > stopped
+                   for stopped, resumed in self._stops)
 
     def draft_for(self, req_id: str, context: np.ndarray, k: int) -> list[int]:
         """Up to k tokens continuing ``context`` along this drafter's path (may be empty)."""
@@ -327,7 +336,9 @@ class ModelDrafterClient:
             self._paths.clear()  # the server dropped its requests; the next steps start again
             return True
         self.health.steps_answered += 1
-        for num_reqs, seconds in message[3]:
+        for num_reqs, seconds, started in message[3]:
+            if self._was_stopped_during(started, seconds):
+                continue  # the time it was stopped is not the step's
             self.health.busy_s += seconds
             self.step_timings.append((num_reqs, seconds))
         for req_id, kind, payload in message[2]:

@@ -143,7 +143,7 @@ def test_client_mirrors_the_path_and_serves_contexts_it_extends(client_and_serve
     assert message[0] == "track" and message[1][0][0] == "r"
     assert client.is_drafting("r", ctx(1, 2))  # not acknowledged yet: a draft may come
     server.send(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3, 4)))],
-                 [(1, 0.05)]))
+                 [(1, 0.05, time.monotonic() - 0.05)]))
     client.poll(1.0)
     assert client.draft_for("r", ctx(1, 2), 4) == [3, 4]
     assert client.draft_for("r", ctx(1, 2, 3), 4) == [4]  # one accepted token later
@@ -271,6 +271,11 @@ def test_a_paused_drafter_is_stopped_until_it_drafts_again(client_and_server):
         assert _state(client._proc.pid) in "SR"
         client.poll()  # the hang clock starts again when it runs
         assert client.health.alive
+        # Its engine step that was under way when it was stopped timed the stop too: left out.
+        now = time.monotonic()
+        server.send(("update", 2, [], [(1, 0.3, now - 0.3), (1, 0.02, now)]))
+        client.poll(1.0)
+        assert client.step_timings == [(1, 0.02)]
         client.pause()  # nothing tracked since: nothing to pause, and it keeps running
         assert _state(client._proc.pid) in "SR"
         client.track([("s", ctx(2), 4)])
