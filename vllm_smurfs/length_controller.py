@@ -12,6 +12,9 @@ per second, from three models learnt online:
 * :class:`StepCostModel`: the target step's seconds as a function of the tokens it verifies;
 * :class:`DraftCostModel`: a drafter call's seconds from its batch size and draft length.
 
+With model drafters that can be left out (``free_mode``), the two plans' predicted step times are
+also checked against the time their steps took (:class:`StepTimeCalibration`, one per plan).
+
 Pure module (stdlib only, no vllm/torch): :meth:`AdaptiveLookahead.choose` runs every step for up
 to a few hundred requests, so it is written to cost O(n * max_lookahead * log) plain-Python work.
 """
@@ -35,6 +38,7 @@ __all__ = [
     "RequestView",
     "StepCostModel",
     "StepFeedback",
+    "StepTimeCalibration",
     "StepTiming",
     "room_for_drafts",
 ]
@@ -87,6 +91,10 @@ class StepTiming:
     # Whether model drafters drafted during it (the target may have lent them cores): such steps
     # and steps without model drafting have their own cost curves.
     drafting: bool = True
+    # The proposer's own time for this step's drafts, spent before it (drafting with the
+    # model-free voters, waiting for the model drafters, voting): part of what the step's
+    # tokens cost, though not of the target's cost curve.
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_reqs < 0:
@@ -94,6 +102,7 @@ class StepTiming:
         if self.num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {self.num_tokens}")
         _check_seconds("seconds", self.seconds)
+        _check_seconds("overhead_s", self.overhead_s)
 
 
 @dataclass(frozen=True)
@@ -746,6 +755,67 @@ class DraftCostModel:
                 "per_position_per_request": c2}
 
 
+# ------------------------------------------------------------------------------ time calibration
+
+# A plan's predicted-to-taken time ratio averages about its last 16 sampled steps and is shrunk
+# towards 1 as if 4 more steps had taken just the predicted time: a few steps move it (a retry
+# of the model drafters lasts 8 once they have caught up), one step cannot.
+_CALIBRATION_MEMORY = 16.0
+_CALIBRATION_PRIOR_STEPS = 4.0
+
+
+class StepTimeCalibration:
+    """How long a plan's steps took against the time predicted for them.
+
+    The predicted step time rests on cost curves of the target's step and of the drafters; what
+    a step really costs also holds time no curve sees: the proposer waiting for model drafts
+    (outside the target's step), its own drafting and voting, a curve learnt in other
+    conditions. Each sample is one step, predicted against taken seconds; :meth:`factor` is
+    ``sum(predicted) / sum(taken)`` over exponentially decaying sums (``memory`` steps), shrunk
+    towards a prior (1 unless given) by ``prior_steps`` steps: the factor on the plan's
+    predicted rate. Only time is calibrated: the expected tokens come from the acceptance
+    models, which count drafts that were not ready in time as rejected and adapt within a few
+    steps.
+    """
+
+    def __init__(self, memory: float = _CALIBRATION_MEMORY,
+                 prior_steps: float = _CALIBRATION_PRIOR_STEPS) -> None:
+        if not memory >= 1:
+            raise ValueError(f"memory must be >= 1 step, got {memory!r}")
+        if not prior_steps > 0:
+            raise ValueError(f"prior_steps must be > 0, got {prior_steps!r}")
+        self._decay = 1.0 - 1.0 / memory
+        self.prior_steps = prior_steps
+        self._predicted = 0.0
+        self._taken = 0.0
+        self._steps = 0.0
+
+    def observe(self, predicted_s: float, taken_s: float) -> None:
+        """One step; ignored unless both times are positive (nothing to compare)."""
+        if not (predicted_s > 0 and taken_s > 0 and math.isfinite(predicted_s)
+                and math.isfinite(taken_s)):
+            return
+        d = self._decay
+        self._predicted = d * self._predicted + predicted_s
+        self._taken = d * self._taken + taken_s
+        self._steps = d * self._steps + 1.0
+
+    @property
+    def steps(self) -> float:
+        """The decayed number of steps sampled."""
+        return self._steps
+
+    def factor(self, prior: float = 1.0) -> float:
+        """Predicted over taken time, shrunk towards ``prior``; ``prior`` before any sample."""
+        if self._steps == 0:
+            return prior
+        weight = self._steps / (self._steps + self.prior_steps)
+        return prior + weight * (self._predicted / self._taken - prior)
+
+    def snapshot(self, prior: float = 1.0) -> dict[str, Any]:
+        return {"factor": round(self.factor(prior), 4), "steps": round(self._steps, 2)}
+
+
 # ------------------------------------------------------------------------------------ controller
 
 # Every 16 steps the request that has gone longest without a draft gets one draft token: the only
@@ -849,7 +919,10 @@ class AdaptiveLookahead:
         the model-free voters only, see ``choose``'s ``free_lens``), with its own step-cost
         curve (`StepTiming.drafting` False: e.g. the target then has the cores it lends to
         drafters) and its own acceptance model; the better of the two plans is taken, with a
-        margin and a minimum dwell against flapping.
+        margin and a minimum dwell against flapping. Each plan's predicted rate is corrected by
+        how long its steps took, the proposer's own time included, against their predicted
+        time (:class:`StepTimeCalibration`; sampled in steps without prompt chunks, and for
+        the model plan only once the drafters have caught up after a switch).
 
         Raises:
             ValueError: naming the setting, when ``max_lookahead < 1``, ``min_lookahead`` is not
@@ -880,6 +953,11 @@ class AdaptiveLookahead:
         self.acceptance_free = AcceptanceModel(
             max_lookahead, request_half_life_steps, prior_strength, global_memory)
         self.step_cost_free = StepCostModel(cost_window)
+        self.calibration = StepTimeCalibration()
+        self.calibration_free = StepTimeCalibration()
+        # The last choice's [models, predicted seconds, seconds taken (set by observe_step)]
+        # while it can still become a calibration sample.
+        self._sample: list[Any] | None = None
         self._models_on = True
         self._switched_at = -_MIN_DWELL_STEPS
         self._retry_start: int | None = None  # step the retry going on began at (None: none)
@@ -907,11 +985,16 @@ class AdaptiveLookahead:
         return self._models_on
 
     def observe(self, feedback: Sequence[StepFeedback], models_ready: bool = True) -> None:
+        """The last choice's outcome (after its :meth:`observe_step`, as the proposer calls)."""
         # The feedback is about the drafts of the last choice, made in its mode.
         (self.acceptance if self._models_on else self.acceptance_free).observe(feedback)
         if (self._retry_start is not None and self._models_on and models_ready
                 and any(fb.num_draft_tokens for fb in feedback)):
             self._retry_ready_steps += 1
+        sample, self._sample = self._sample, None
+        if sample is not None and sample[2] is not None and (models_ready or not sample[0]):
+            models, predicted_s, taken_s = sample
+            (self.calibration if models else self.calibration_free).observe(predicted_s, taken_s)
 
     def observe_step(self, timing: StepTiming) -> None:
         self._elapsed_s += timing.seconds
@@ -919,12 +1002,20 @@ class AdaptiveLookahead:
             self._retry_cost_s += max(0.0, timing.seconds - self.step_cost_free(timing.num_tokens))
         cost = self.step_cost if timing.drafting or not self.free_mode else self.step_cost_free
         cost.observe(timing.num_tokens, timing.seconds)
+        extra = 0
         if self._planned_tokens is not None:
             # Verified drafts can be shorter than chosen (the vote, the scheduler), hence the
             # floor: background is then underestimated, never negative.
             extra = max(0, timing.num_tokens - self._planned_tokens)
             self._background += _BACKGROUND_SMOOTHING * (extra - self._background)
             self._planned_tokens = None
+        if self._sample is not None:
+            # A prompt chunk came (its time is not the plan's), or the model plan drafted
+            # nothing and the step ran without the model drafters: not a sample of the plan.
+            if extra or timing.drafting != self._sample[0]:
+                self._sample = None
+            else:
+                self._sample[2] = timing.seconds + timing.overhead_s
 
     def observe_draft(self, timing: DraftTiming) -> None:
         self.draft_cost.observe(timing.num_positions, timing.num_reqs, timing.seconds)
@@ -1067,12 +1158,16 @@ class AdaptiveLookahead:
         self._chosen = dict(zip(ids, ks, strict=True))
         tokens = sum(1 + k for k in ks)
         self._planned_tokens = tokens
+        quiet = self._background < _QUIET_BACKGROUND
         total_tokens = self._background + tokens
         target_s = (self._drafting_cost if models else self.step_cost_free)(total_tokens)
         num_drafted = sum(1 for k in ks if k > 0)
         max_k = max(ks)
         exp_tokens = sum(e[k] for e, k in zip(expected, ks, strict=True))
         step_s = self._step_seconds(target_s, max_k, num_drafted) if models else target_s
+        # Explore steps are predicted from curves that have not measured them yet.
+        self._sample = ([models, step_s, None]
+                        if self.free_mode and quiet and not mode.startswith("explore") else None)
         hist: dict[str, int] = {}
         for k in ks:
             hist[str(k)] = hist.get(str(k), 0) + 1
@@ -1098,12 +1193,21 @@ class AdaptiveLookahead:
         return cum
 
     def _decide(self, rate_models: float, rate_free: float) -> bool:
-        """Whether to draft with the model drafters, given both plans' predicted rates."""
+        """Whether to draft with the model drafters, given both plans' predicted rates (each
+        corrected by its calibration)."""
         if self._steps - self._switched_at < _MIN_DWELL_STEPS:
             return self._models_on
+        rate_models *= self._calibration_models()
+        rate_free *= self.calibration_free.factor()
         if self._models_on:
             return rate_models >= rate_free
         return rate_models > rate_free * (1.0 + _SWITCH_MARGIN)
+
+    def _calibration_models(self) -> float:
+        """The model plan's time factor, shrunk towards the other plan's: until the model plan
+        is measured, it is taken to pay the overhead both plans pay (the proposer's own
+        time), not to have none."""
+        return self.calibration.factor(self.calibration_free.factor())
 
     def _greedy(self, cum: list[list[float]], caps: list[int], lows: list[int],
                 target: Callable[[float], float], drafting: bool) -> tuple[list[int], float]:
@@ -1210,6 +1314,8 @@ class AdaptiveLookahead:
             "retry_cost_s": round(self._retry_cost_s, 6),
             "steps": self._steps,
             "step_cost_free": self.step_cost_free.snapshot(),
+            "calibration": {"models": self.calibration.snapshot(self.calibration_free.factor()),
+                            "free": self.calibration_free.snapshot()},
             "acceptance_free": [round(p, 4) for p in free],
             "step_cost": self.step_cost.snapshot(),
             "draft_cost": self.draft_cost.snapshot(),

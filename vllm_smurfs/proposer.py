@@ -149,6 +149,7 @@ class SmurfsProposer:
         self._step: StepContext | None = None
         self._last_log = time.monotonic()
         self._returned_at: float | None = None  # when propose() last returned
+        self._overhead_s = 0.0  # how long the last propose() took
         self._trace: TextIO | None = None
         if self.config.trace_file:
             # Line-buffered: a trace of a run that is killed keeps every step it finished.
@@ -193,7 +194,8 @@ class SmurfsProposer:
             step_s = called - self._returned_at
             self.stats.target_step_s += step_s
             self.policy.observe_step(StepTiming(len(step.req_ids), step.num_scheduled_tokens,
-                                                step_s, drafting=self._drafting_steps > 0))
+                                                step_s, drafting=self._drafting_steps > 0,
+                                                overhead_s=self._overhead_s))
         self._last_req_ids = frozenset(step.req_ids)
         self.forget(step.finished_req_ids | step.restarted_req_ids)
         feedback = self._learn(step, sampled_token_ids)
@@ -247,7 +249,8 @@ class SmurfsProposer:
         self.stats.steps += 1
         self._maybe_log()
         self._returned_at = time.perf_counter()
-        self.stats.proposer_s += self._returned_at - called
+        self._overhead_s = self._returned_at - called
+        self.stats.proposer_s += self._overhead_s
         return proposals
 
     def _collect(self, requests: list[DraftRequest], views: list[RequestView], models: bool,

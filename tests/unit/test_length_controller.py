@@ -757,13 +757,15 @@ def _run_modes(pol: AdaptiveLookahead, steps: int, *, full_s: float = 0.0, free_
                full_p: float, free_p: float, free_len: int, n: int = 1, seed: int = 0,
                cost: Callable[[int, bool], float] | None = None,
                background: int | Callable[[int], int] = 0,
-               ready: Callable[[int], bool] | None = None) -> list[bool]:
+               ready: Callable[[int], bool] | None = None,
+               full_overhead_s: float = 0.0) -> list[bool]:
     """Drive ``pol`` like the proposer: a step with model drafting takes ``full_s`` and its
     drafts are accepted per position with ``full_p``; one without takes ``free_s`` and the
     model-free voters have ``free_len`` tokens, accepted with ``free_p``. Per step: models_on.
     With ``cost``, a step takes ``cost(tokens, drafting)`` instead; step ``i`` carries
     ``background`` (or ``background(i)``) prefill tokens; ``ready(i)``: whether the model
-    drafters had caught up in step ``i`` (always, by default)."""
+    drafters had caught up in step ``i`` (always, by default); ``full_overhead_s``: the
+    proposer's own time (waiting for drafts) before a step with model drafting."""
     rng = random.Random(seed)
     reqs = _reqs(n)
     modes = []
@@ -775,7 +777,8 @@ def _run_modes(pol: AdaptiveLookahead, steps: int, *, full_s: float = 0.0, free_
         tokens = (background(i) if callable(background) else background) + sum(1 + k for k in ks)
         seconds = (cost(tokens, drafting) if cost is not None
                    else full_s if drafting else free_s)
-        pol.observe_step(StepTiming(n, tokens, seconds, drafting=drafting))
+        pol.observe_step(StepTiming(n, tokens, seconds, drafting=drafting,
+                                    overhead_s=full_overhead_s if drafting else 0.0))
         pol.observe(feedback, models_ready=True if ready is None else ready(i))
     return modes
 
@@ -980,3 +983,74 @@ def test_prefill_tokens_count_as_work_so_drafts_do_not_slow_compute_bound_steps(
     assert sum(_run_with_prefill(_chunks, lambda t: 0.01 * t)) <= 10
     # Memory-bound decode steps (verification nearly free): the same drafts pay.
     assert min(_run_with_prefill(lambda _: 0, lambda t: 0.2 + 1e-4 * t)) >= 8
+
+
+def test_step_time_calibration_shrinks_the_predicted_to_taken_ratio_towards_one() -> None:
+    cal = length_controller.StepTimeCalibration(memory=16, prior_steps=4)
+    assert cal.factor() == 1.0 and cal.factor(0.9) == 0.9 and cal.steps == 0.0
+    cal.observe(0.0, 0.1)  # nothing predicted: nothing to compare
+    cal.observe(0.1, float("nan"))
+    assert cal.steps == 0.0
+    cal.observe(0.1, 0.2)  # twice the predicted time: half the predicted rate
+    assert cal.factor() == pytest.approx(1.0 + (1 / 5) * (0.5 - 1.0))
+    for _ in range(300):
+        cal.observe(0.1, 0.2)
+    assert cal.steps == pytest.approx(16.0)  # the decayed count settles at the memory
+    assert cal.factor() == pytest.approx(1.0 + (16 / 20) * (0.5 - 1.0))
+    # Eight steps that take the predicted time move it a good part of the way back.
+    for _ in range(8):
+        cal.observe(0.1, 0.1)
+    assert 0.65 < cal.factor() < 0.75
+    weight = cal.steps / (cal.steps + 4)  # of the samples against the prior
+    assert cal.factor(0.9) == pytest.approx(cal.factor() - 0.1 * (1 - weight))
+    assert cal.snapshot() == {"factor": round(cal.factor(), 4), "steps": round(cal.steps, 2)}
+    with pytest.raises(ValueError, match="memory"):
+        length_controller.StepTimeCalibration(memory=0.5)
+    with pytest.raises(ValueError, match="prior_steps"):
+        length_controller.StepTimeCalibration(prior_steps=0)
+    with pytest.raises(ValueError, match="overhead_s"):
+        StepTiming(1, 1, 0.1, overhead_s=-0.1)
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_free_mode_leaves_out_model_drafters_whose_steps_take_longer_than_predicted(
+        calibrated: bool) -> None:
+    # Model drafts (0.75 per position) beat the voter's (3 tokens at 0.5) at the same target
+    # step time, but every step with model drafting also waits 0.3 s for them before it: time
+    # outside the target's step, which its cost curve cannot see. Only the calibration (the
+    # time the steps took against the prediction) shows the model plan's rate is less than
+    # half what it looks.
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    if not calibrated:  # a prior that no sample moves
+        pol.calibration = length_controller.StepTimeCalibration(prior_steps=1e12)
+    modes = _run_modes(pol, 200, full_s=0.22, free_s=0.22, full_p=0.75, free_p=0.5,
+                       free_len=3, full_overhead_s=0.3)
+    assert sum(modes[3:60]) >= length_controller._MIN_DWELL_STEPS  # tried after exploring
+    if calibrated:
+        assert not any(modes[60:])
+        calibration = pol.snapshot()["calibration"]
+        assert calibration["models"]["factor"] < 0.7
+        assert calibration["free"]["factor"] == pytest.approx(1.0)
+    else:
+        assert all(modes[60:])
+
+
+def test_calibration_samples_neither_catch_up_steps_nor_prompt_chunks() -> None:
+    # The model drafters deliver after a catch-up (models_ready False), which is a switch's
+    # one-off cost; prompt chunks take time the plan did not predict: neither is a sample.
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    modes = _run_modes(pol, 100, full_s=0.22, free_s=0.22, full_p=0.75, free_p=0.5,
+                       free_len=3, ready=lambda i: False)
+    assert sum(modes) > 20 and pol.calibration.steps == 0.0
+    # Unmeasured, the model plan is taken to pay what the other plan pays beyond its curve.
+    for _ in range(20):
+        pol.calibration_free.observe(0.1, 0.125)
+    assert pol.snapshot()["calibration"]["models"]["factor"] == pytest.approx(
+        pol.calibration_free.factor(), abs=1e-4) and pol.calibration_free.factor() < 0.95
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    _run_modes(pol, 100, full_s=0.22, free_s=0.22, full_p=0.75, free_p=0.5, free_len=3,
+               background=100)
+    assert pol.calibration.steps == pol.calibration_free.steps == 0.0
+    pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
+    _run_modes(pol, 100, full_s=0.22, free_s=0.22, full_p=0.75, free_p=0.5, free_len=3)
+    assert pol.calibration.steps > 10  # the same run, quiet and caught up: sampled

@@ -198,6 +198,18 @@ def test_a_step_without_model_drafters_pauses_them_and_drafts_model_free_only(pr
     assert proposer.policy.timings[-1].drafting is True
 
 
+def test_a_step_timing_carries_the_proposer_time_spent_on_its_drafts(proposer):
+    proposer.policy = _ScriptedPolicy(2, models_on=True)
+    step(proposer, ["a"], [[5]], [10])
+    first = proposer.stats.proposer_s
+    step(proposer, ["a"], [[5]], [11])
+    second = proposer.stats.proposer_s - first
+    step(proposer, ["a"], [[5]], [12])
+    # Each step's timing carries the call that drafted for it: the one just before it.
+    assert [t.overhead_s for t in proposer.policy.timings] == pytest.approx([first, second])
+    assert first > 0 and second > 0
+
+
 def test_the_first_drafting_step_lends_the_shared_cores(proposer):
     step(proposer, ["a"], [[5]], [10])  # fixed policy: every step drafts with the models
     step(proposer, ["a"], [[5]], [11])
