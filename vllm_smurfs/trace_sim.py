@@ -86,7 +86,8 @@ for in the step, those with ``k > 0``) extends every one of their paths by one t
 Without a draft cost (or at ``t_d = 0``) drafting is free and every draft complete.
 
 CLI: ``python -m vllm_smurfs.trace_sim TRACE.jsonl [--concurrency 1,4,16,32] [--max-lookahead 8]
-[--sync]`` prints a markdown table of adaptive vs fixed k=1..max vs no speculation.
+[--sync]`` prints a markdown table of adaptive vs fixed k=1..max vs no speculation;
+``--summary`` prints instead where the recorded run's time went (:func:`summarize`).
 
 Pure module (stdlib + numpy, no vllm/torch).
 """
@@ -130,12 +131,14 @@ __all__ = [
     "compare",
     "default_policies",
     "fit_draft_cost",
+    "format_summary",
     "format_table",
     "main",
     "read_trace",
     "reconstruct",
     "replay",
     "simulate",
+    "summarize",
     "synthetic_trace",
     "write_trace",
 ]
@@ -764,6 +767,66 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# -------------------------------------------------------------------------------------- summary
+
+
+def summarize(trace: Sequence[TraceStep]) -> list[dict[str, Any]]:
+    """Where a recorded run's target time went: one row per kind of step, by whether the model
+    drafters drafted during it (``models``: True, False, or None where not recorded) and
+    whether it carried prompt chunks (``prefill``: tokens beyond its decodes' ``1 + k``).
+
+    Per row: ``steps``; ``seconds`` of target time and its ``share`` of the trace's; the
+    decodes' ``output_tokens`` (one per request and step, plus the accepted drafts) and
+    ``output_tokens_per_s`` over the row's seconds (prefill steps spend part of theirs on the
+    chunks); ``drafted`` and ``accepted`` draft tokens; ``mean_accepted_length``, output tokens per
+    request and step (drafted or not); ``prefill_tokens``. Rows come in a fixed order (models on, off, unknown;
+    without prefill first); kinds without steps are left out.
+    """
+    total = sum(step.seconds for step in trace) or 1.0
+    groups: dict[tuple[bool | None, bool], dict[str, Any]] = {}
+    for step in trace:
+        decode = sum(1 + r.k for r in step.requests)
+        prefill = max(0, step.num_tokens - decode)
+        row = groups.setdefault((step.drafting, prefill > 0), {
+            "models": step.drafting, "prefill": prefill > 0, "steps": 0, "seconds": 0.0,
+            "request_steps": 0, "output_tokens": 0, "drafted": 0, "accepted": 0,
+            "prefill_tokens": 0})
+        row["steps"] += 1
+        row["seconds"] += step.seconds
+        row["request_steps"] += len(step.requests)
+        row["output_tokens"] += sum(1 + r.accepted for r in step.requests)
+        row["drafted"] += sum(r.k for r in step.requests)
+        row["accepted"] += sum(r.accepted for r in step.requests)
+        row["prefill_tokens"] += prefill
+    order = {True: 0, False: 1, None: 2}
+    rows = []
+    for key in sorted(groups, key=lambda k: (order[k[0]], k[1])):
+        row = groups[key]
+        row["share"] = row["seconds"] / total
+        row["output_tokens_per_s"] = (row["output_tokens"] / row["seconds"]
+                                      if row["seconds"] > 0 else None)
+        row["mean_accepted_length"] = (row["output_tokens"] / row["request_steps"]
+                                       if row["request_steps"] else None)
+        rows.append(row)
+    return rows
+
+
+def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown table of :func:`summarize`'s rows."""
+    names = {True: "with model drafters", False: "without", None: "not recorded"}
+    lines = ["| steps of kind | prefill | steps | target s (share) | output tok | output tok/s "
+             "| drafted / accepted | tokens per request-step | prefill tok |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rate = "-" if r["output_tokens_per_s"] is None else f"{r['output_tokens_per_s']:.2f}"
+        mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        lines.append(
+            f"| {names[r['models']]} | {'yes' if r['prefill'] else 'no'} | {r['steps']} "
+            f"| {r['seconds']:.1f} ({100 * r['share']:.0f}%) | {r['output_tokens']} | {rate} "
+            f"| {r['drafted']} / {r['accepted']} | {mal} | {r['prefill_tokens']} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------ synthetic
 
 
@@ -817,6 +880,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-lookahead", type=int, default=8)
     parser.add_argument("--sync", action="store_true",
                         help="synchronous drafting (default: pipelined)")
+    parser.add_argument("--summary", action="store_true",
+                        help="print where the recorded run's time went instead of replaying")
     args = parser.parse_args(argv)
     if args.max_lookahead < 1:
         parser.error(f"--max-lookahead must be >= 1, got {args.max_lookahead}")
@@ -826,8 +891,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(args.traces) > 1:  # request ids of different runs may collide
             steps = [TraceStep(s.step, s.t, s.seconds, s.num_tokens, tuple(
                 TraceRequest(f"{i}:{r.req_id}", r.position, r.k, r.accepted)
-                for r in s.requests), s.drafts) for s in steps]
+                for r in s.requests), s.drafts, s.drafting) for s in steps]
         trace.extend(steps)
+    if args.summary:
+        print(f"{len(trace)} steps, {sum(s.seconds for s in trace):.1f} s of target time")
+        print(format_summary(summarize(trace)))
+        return 0
     requests = reconstruct(trace)
     curve = StepCostCurve.from_trace(trace)
     print(f"{len(trace)} steps, {len(requests)} requests, "

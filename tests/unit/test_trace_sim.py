@@ -34,10 +34,12 @@ from vllm_smurfs.trace_sim import (
     compare,
     default_policies,
     fit_draft_cost,
+    format_summary,
     format_table,
     main,
     read_trace,
     reconstruct,
+    summarize,
     replay,
     simulate,
     synthetic_trace,
@@ -658,6 +660,40 @@ def test_compare_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         main([str(path), "--concurrency", "0"])
     assert math.isfinite(rows[0]["tokens_per_s"])
+
+
+def test_summary_splits_the_time_by_mode_and_prefill(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    def req(rid: str, k: int, a: int) -> TraceRequest:
+        return TraceRequest(rid, 0, k, a)
+
+    trace = [
+        # Model drafting, decodes only: a drafted 4 (2 accepted), b none.
+        TraceStep(0, 1.0, 0.3, 6, (req("a", 4, 2), req("b", 0, 0)), drafting=True),
+        # Without, a 100-token prompt chunk beside a's 2-token draft (accepted 1).
+        TraceStep(1, 2.0, 0.6, 103, (req("a", 2, 1),), drafting=False),
+        TraceStep(2, 3.0, 0.1, 2, (req("a", 0, 0), req("b", 0, 0)), drafting=False),
+        TraceStep(3, 4.0, 0.2, 50, ()),  # an old trace: not recorded, prefill only
+    ]
+    rows = summarize(trace)
+    assert [(r["models"], r["prefill"]) for r in rows] == [
+        (True, False), (False, False), (False, True), (None, True)]
+    first, free, free_prefill, unknown = rows
+    assert (first["steps"], first["output_tokens"], first["drafted"], first["accepted"]) == (
+        1, 4, 4, 2)
+    assert first["output_tokens_per_s"] == pytest.approx(4 / 0.3)
+    assert first["mean_accepted_length"] == pytest.approx(2.0)
+    assert first["share"] == pytest.approx(0.3 / 1.2)
+    assert (free["output_tokens"], free["prefill_tokens"]) == (2, 0)
+    assert (free_prefill["prefill_tokens"], free_prefill["output_tokens"]) == (100, 2)
+    assert unknown["mean_accepted_length"] is None and unknown["prefill_tokens"] == 50
+    table = format_summary(rows)
+    assert len(table.splitlines()) == 2 + 4 and "| with model drafters | no | 1 |" in table
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, trace)
+    assert main([str(path), str(path), "--summary"]) == 0  # two traces: drafting kept
+    out = capsys.readouterr().out
+    assert out.startswith("8 steps, 2.4 s") and "| with model drafters | no | 2 |" in out
 
 
 def test_module_imports_no_engine() -> None:
