@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,40 @@ def spin_up_threads() -> int:
     a = torch.ones(256, 256)
     _ = a @ a
     return torch.get_num_threads()
+
+
+def warm_gemms(model: Any, token_counts: Iterable[int]) -> int:
+    """Run every CPU linear layer of ``model`` once per token count, at the present thread count;
+    the number of calls made.
+
+    vLLM's CPU linear layers (``cpu_linear``) cache one oneDNN primitive per token count, and a
+    primitive keeps the thread count it was created with. Created here, before any core is
+    lent, the primitives of these token counts use all the target's threads even when a later
+    step of that size runs while a core is lent. Best effort: a layer that cannot be called so
+    stops the warm-up with a log line, never the engine.
+    """
+    import torch
+
+    calls = 0
+    counts = list(token_counts)
+    try:
+        with torch.inference_mode():
+            for module in model.modules():
+                linear = getattr(module, "cpu_linear", None)
+                weight = getattr(module, "weight", None)
+                if linear is None or not isinstance(weight, torch.Tensor):
+                    continue
+                k = getattr(module, "input_size_per_partition", None)
+                if not k and weight.dim() == 2 and weight.numel():
+                    k = weight.shape[1]
+                if not k:
+                    continue
+                for m in counts:
+                    linear(torch.zeros(m, k, dtype=weight.dtype), None, None)
+                    calls += 1
+    except Exception as e:  # noqa: BLE001 - an optimisation must never stop the engine
+        logger.warning("Smurfs: warming the target's GEMMs stopped after %d calls: %s", calls, e)
+    return calls
 
 
 class ElasticThreads:

@@ -423,6 +423,11 @@ class MultiDraftWorker:
         return [d for d in self.drafters if isinstance(d, ModelDrafterClient)]
 
     @property
+    def lends_cores(self) -> bool:
+        """Whether the target lends cores to the model drafters while they draft."""
+        return self.elastic.enabled
+
+    @property
     def model_indices(self) -> list[int]:
         """Positions of the model drafters in `names` (and in each request's drafts)."""
         return [i for i, d in enumerate(self.drafters) if isinstance(d, ModelDrafterClient)]

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from vllm_smurfs import cores
 from vllm_smurfs.config import SmurfsConfig
 from vllm_smurfs.length_controller import (
     AdaptiveLookahead,
@@ -42,6 +43,10 @@ from vllm_smurfs.vote_sampler import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Token counts whose GEMMs are created with all the target's threads at start-up when it lends
+#: cores to model drafters (vLLM keeps 32 per layer): the decode steps of small batches.
+_WARM_TOKEN_COUNTS = 32
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class SmurfsStats:
     requests_drafted: int = 0  # (request, step) pairs with a lookahead > 0
     requests_without_draft: int = 0  # of those, the ones no drafter had anything ready for
     steps_without_models: int = 0  # steps the policy left the model drafters out of
+    prefill_takebacks: int = 0  # steps with prompt chunks that took lent cores back
     target_step_s: float = 0.0  # time between our return and the next call: the target's steps
     wait_s: float = 0.0  # time propose() waited for drafts
     proposer_s: float = 0.0  # time in propose(), waits included
@@ -108,6 +114,7 @@ class SmurfsStats:
                 "requests_drafted": self.requests_drafted,
                 "requests_without_draft": self.requests_without_draft,
                 "steps_without_models": self.steps_without_models,
+                "prefill_takebacks": self.prefill_takebacks,
                 "target_step_s": round(self.target_step_s, 4), "wait_s": round(self.wait_s, 4),
                 "proposer_s": round(self.proposer_s, 4),
                 "drafters": [d.as_dict() for d in self.drafters]}
@@ -169,6 +176,26 @@ class SmurfsProposer:
     # -- vLLM's proposer interface ------------------------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
         self.worker.start()
+        if self.worker.lends_cores and target_model is not None:
+            # Before any core is lent: the GEMMs of decode-sized steps, created now with all
+            # the target's threads, keep them (see before_forward).
+            cores.warm_gemms(target_model, range(1, _WARM_TOKEN_COUNTS + 1))
+
+    def before_forward(self, prompt_tokens: int) -> None:
+        """The target is about to compute a step with ``prompt_tokens`` prompt-chunk tokens.
+
+        A CPU GEMM primitive keeps the thread count it was created with and vLLM caches one per
+        token count: a step computed while the target lends cores to the model drafters can
+        leave its token count on fewer threads for good (a 2048-token prefill step ran at half
+        speed for the rest of a served run). Prompt chunks bring new token counts, so such a
+        step gets the cores back first: the model drafters pause (their drafts for it are
+        taken already) and the step counts as one without them.
+        """
+        if prompt_tokens > 0 and self._drafting_steps > 0 and self.worker.lends_cores:
+            self.worker.use_models(False)
+            self._drafting_steps = 0
+            self._catching_up = set()
+            self.stats.prefill_takebacks += 1
 
     def begin_step(self, step: StepContext) -> None:
         self._step = step

@@ -24,7 +24,22 @@ def test_register_is_idempotent_and_patches_targets():
     assert _patching.is_patched(EngineArgs, "create_speculative_config")
     assert _patching.is_patched(EngineArgs, "add_cli_args")
     assert _patching.is_patched(GPUModelRunner, "propose_draft_token_ids")
+    assert _patching.is_patched(GPUModelRunner, "execute_model")
     assert _patching.is_patched(rejection_sampler, "expand_batch_to_tokens")  # CPU machine
+
+
+def test_prompt_tokens_of_a_step_are_what_is_neither_next_token_nor_draft():
+    from types import SimpleNamespace
+
+    from vllm_smurfs.patches.model_runner_execute import prompt_tokens
+
+    # "a" decodes with 3 draft tokens, "b" decodes without, "c" is a 100-token prompt chunk.
+    out = SimpleNamespace(num_scheduled_tokens={"a": 4, "b": 1, "c": 100},
+                          total_num_scheduled_tokens=105,
+                          scheduled_spec_decode_tokens={"a": [1, 2, 3]})
+    assert prompt_tokens(out) == 99
+    out.num_scheduled_tokens, out.total_num_scheduled_tokens = {"a": 4, "b": 1}, 5
+    assert prompt_tokens(out) == 0
 
 
 def test_vllm_cpu_expand_is_still_broken_and_ours_is_right():

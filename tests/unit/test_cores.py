@@ -83,3 +83,35 @@ def test_bound_openmp_threads_keep_their_cores_through_lending() -> None:
     threads, before, after = json.loads(out.strip().splitlines()[-1])
     assert threads == 2 and before == cpus and after == cpus
 
+
+
+def test_warm_gemms_calls_every_cpu_linear_layer_once_per_token_count(caplog):
+    import torch
+
+    from vllm_smurfs.cores import warm_gemms
+
+    calls = []
+
+    class Linear(torch.nn.Module):
+        def __init__(self, name, k, n, removed):
+            super().__init__()
+            # vLLM's CPU linear layers drop their weight once the GEMM handler holds it.
+            self.weight = torch.nn.Parameter(torch.empty(0 if removed else n, 0 if removed else k,
+                                                         dtype=torch.bfloat16))
+            if removed:
+                self.input_size_per_partition = k
+            self.cpu_linear = lambda x, w, b: calls.append((name, tuple(x.shape), x.dtype))
+
+    model = torch.nn.Sequential(Linear("qkv", 8, 12, True), torch.nn.ReLU(),
+                                Linear("lm_head", 8, 50, False))
+    assert warm_gemms(model, [1, 3]) == 4
+    assert calls == [("qkv", (1, 8), torch.bfloat16), ("qkv", (3, 8), torch.bfloat16),
+                     ("lm_head", (1, 8), torch.bfloat16), ("lm_head", (3, 8), torch.bfloat16)]
+
+    def broken(x, w, b):
+        raise RuntimeError("no GEMM here")
+
+    model[0].cpu_linear = broken
+    with caplog.at_level("WARNING"):
+        assert warm_gemms(model, [1]) == 0  # best effort: it stops, the engine goes on
+    assert "no GEMM here" in caplog.text

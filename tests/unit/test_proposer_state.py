@@ -29,6 +29,7 @@ class ScriptedWorker:
         self.free: list[int] | None = None  # model-free draft lengths (default: none ready)
         self.models_used: list[bool] = []
         self.model_indices = list(range(len(self.names)))
+        self.lends_cores = False
 
     def start(self):
         pass
@@ -208,6 +209,25 @@ def test_a_step_timing_carries_the_proposer_time_spent_on_its_drafts(proposer):
     # Each step's timing carries the call that drafted for it: the one just before it.
     assert [t.overhead_s for t in proposer.policy.timings] == pytest.approx([first, second])
     assert first > 0 and second > 0
+
+
+@pytest.mark.parametrize("lends_cores", [True, False])
+def test_a_step_with_prompt_chunks_gets_the_lent_cores_back(proposer, lends_cores):
+    # A GEMM created while cores are lent keeps fewer threads: a step that brings new token
+    # counts (prompt chunks) runs with the drafters paused and the cores back.
+    proposer.worker.lends_cores = lends_cores
+    proposer.policy = _ScriptedPolicy(2, models_on=True)
+    step(proposer, ["a"], [[5]], [10])  # the model drafters draft for step 2
+    assert proposer.worker.models_used == [True]
+    proposer.before_forward(0)  # decodes only: nothing changes
+    assert proposer.worker.models_used == [True]
+    proposer.before_forward(256)
+    assert proposer.worker.models_used == ([True, False] if lends_cores else [True])
+    assert proposer.stats.prefill_takebacks == int(lends_cores)
+    step(proposer, ["a"], [[5]], [11])
+    # The step ran without the model drafters; the next one gets them (and the cores) again.
+    assert [t.drafting for t in proposer.policy.timings] == [not lends_cores]
+    assert proposer.worker.models_used == ([True, False, True] if lends_cores else [True])
 
 
 def test_the_first_drafting_step_lends_the_shared_cores(proposer):

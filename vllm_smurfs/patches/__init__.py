@@ -6,6 +6,7 @@
 | cli_speculative_config | `vllm.engine.arg_utils.EngineArgs.add_cli_args` | `--speculative-config` takes inline JSON only | the option's `type` also reads a JSON file path | vLLM accepts a path there |
 | rejection_sampler_expand | `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` (CPU only) | the CPU kernel wrapper never writes float outputs: verification at temperature > 0 divides logits by uninitialised memory, lossy for every method | a `torch.repeat_interleave` version on CPU | the CPU wrapper writes float outputs back |
 | model_runner_propose | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids` | custom proposers get no request ids or lifecycle events | hand the proposer a `StepContext` (req ids, finished, preempted/resumed, lookahead) before vLLM's body | vLLM passes them to custom proposers |
+| model_runner_execute | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model` | a CPU GEMM primitive keeps the thread count it was created with: a prompt chunk computed while a drafter borrows a core slows every later step of its size (2048-token steps 2x) | before vLLM's body, tell the proposer the step's prompt tokens; it takes the cores back first | vLLM's CPU GEMM cache keys on the thread count |
 
 Each patch records the original (see `_patching`), refuses to patch twice, and is tested in
 ``tests/unit/test_patches.py``.
@@ -19,6 +20,7 @@ PATCH_MODULES = (
     "vllm_smurfs.patches.engine_args_speculative",
     "vllm_smurfs.patches.cli_speculative_config",
     "vllm_smurfs.patches.model_runner_propose",
+    "vllm_smurfs.patches.model_runner_execute",
     "vllm_smurfs.patches.rejection_sampler_expand",
 )
 
