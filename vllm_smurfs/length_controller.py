@@ -764,6 +764,15 @@ _CALIBRATION_MEMORY = 16.0
 _CALIBRATION_PRIOR_STEPS = 4.0
 
 
+@dataclass
+class _PendingSample:
+    """The last choice, while it can still become a calibration sample."""
+
+    models: bool  # the plan with the model drafters
+    predicted_s: float
+    taken_s: float | None = None  # set by observe_step
+
+
 class StepTimeCalibration:
     """How long a plan's steps took against the time predicted for them.
 
@@ -955,9 +964,7 @@ class AdaptiveLookahead:
         self.step_cost_free = StepCostModel(cost_window)
         self.calibration = StepTimeCalibration()
         self.calibration_free = StepTimeCalibration()
-        # The last choice's [models, predicted seconds, seconds taken (set by observe_step)]
-        # while it can still become a calibration sample.
-        self._sample: list[Any] | None = None
+        self._sample: _PendingSample | None = None
         self._models_on = True
         self._switched_at = -_MIN_DWELL_STEPS
         self._retry_start: int | None = None  # step the retry going on began at (None: none)
@@ -992,9 +999,10 @@ class AdaptiveLookahead:
                 and any(fb.num_draft_tokens for fb in feedback)):
             self._retry_ready_steps += 1
         sample, self._sample = self._sample, None
-        if sample is not None and sample[2] is not None and (models_ready or not sample[0]):
-            models, predicted_s, taken_s = sample
-            (self.calibration if models else self.calibration_free).observe(predicted_s, taken_s)
+        if sample is not None and sample.taken_s is not None and (models_ready
+                                                                   or not sample.models):
+            (self.calibration if sample.models else self.calibration_free).observe(
+                sample.predicted_s, sample.taken_s)
 
     def observe_step(self, timing: StepTiming) -> None:
         self._elapsed_s += timing.seconds
@@ -1012,10 +1020,10 @@ class AdaptiveLookahead:
         if self._sample is not None:
             # A prompt chunk came (its time is not the plan's), or the model plan drafted
             # nothing and the step ran without the model drafters: not a sample of the plan.
-            if extra or timing.drafting != self._sample[0]:
+            if extra or timing.drafting != self._sample.models:
                 self._sample = None
             else:
-                self._sample[2] = timing.seconds + timing.overhead_s
+                self._sample.taken_s = timing.seconds + timing.overhead_s
 
     def observe_draft(self, timing: DraftTiming) -> None:
         self.draft_cost.observe(timing.num_positions, timing.num_reqs, timing.seconds)
@@ -1166,7 +1174,7 @@ class AdaptiveLookahead:
         exp_tokens = sum(e[k] for e, k in zip(expected, ks, strict=True))
         step_s = self._step_seconds(target_s, max_k, num_drafted) if models else target_s
         # Explore steps are predicted from curves that have not measured them yet.
-        self._sample = ([models, step_s, None]
+        self._sample = (_PendingSample(models, step_s)
                         if self.free_mode and quiet and not mode.startswith("explore") else None)
         hist: dict[str, int] = {}
         for k in ks:

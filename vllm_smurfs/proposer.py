@@ -192,10 +192,15 @@ class SmurfsProposer:
         taken already) and the step counts as one without them.
         """
         if prompt_tokens > 0 and self._drafting_steps > 0 and self.worker.lends_cores:
-            self.worker.use_models(False)
+            self._use_models(False)
             self._drafting_steps = 0
-            self._catching_up = set()
             self.stats.prefill_takebacks += 1
+
+    def _use_models(self, on: bool, req_ids: Iterable[str] = ()) -> None:
+        """Start (``req_ids``: the requests running, which the drafters must catch up with) or
+        pause the model drafters, lending or taking back the cores they share."""
+        self.worker.use_models(on)
+        self._catching_up = set(req_ids) if on else set()
 
     def begin_step(self, step: StepContext) -> None:
         self._step = step
@@ -248,8 +253,7 @@ class SmurfsProposer:
         # step the policy gives to them and that drafts anything.
         models = (self.policy.models_on and any(lookaheads) and self.worker.models_alive)
         if models != (self._drafting_steps > 0):
-            self.worker.use_models(models)
-            self._catching_up = {view.req_id for view in views} if models else set()
+            self._use_models(models, (view.req_id for view in views))
         self._drafting_steps = self._drafting_steps + 1 if models else 0
         self.stats.steps_without_models += not models
         chosen = [(i, view, k, context, per) for i, view, k, context, per

@@ -778,9 +778,9 @@ def summarize(trace: Sequence[TraceStep]) -> list[dict[str, Any]]:
     Per row: ``steps``; ``seconds`` of target time and its ``share`` of the trace's; the
     decodes' ``output_tokens`` (one per request and step, plus the accepted drafts) and
     ``output_tokens_per_s`` over the row's seconds (prefill steps spend part of theirs on the
-    chunks); ``drafted`` and ``accepted`` draft tokens; ``mean_accepted_length``, output tokens per
-    request and step (drafted or not); ``prefill_tokens``. Rows come in a fixed order (models on, off, unknown;
-    without prefill first); kinds without steps are left out.
+    chunks); ``drafted`` and ``accepted`` draft tokens; ``tokens_per_request_step`` (output
+    tokens per request and step, drafted or not); ``prefill_tokens``. Rows come in a fixed order (models
+    on, off, unknown; without prefill first); kinds without steps are left out.
     """
     total = sum(step.seconds for step in trace) or 1.0
     groups: dict[tuple[bool | None, bool], dict[str, Any]] = {}
@@ -805,8 +805,8 @@ def summarize(trace: Sequence[TraceStep]) -> list[dict[str, Any]]:
         row["share"] = row["seconds"] / total
         row["output_tokens_per_s"] = (row["output_tokens"] / row["seconds"]
                                       if row["seconds"] > 0 else None)
-        row["mean_accepted_length"] = (row["output_tokens"] / row["request_steps"]
-                                       if row["request_steps"] else None)
+        row["tokens_per_request_step"] = (row["output_tokens"] / row["request_steps"]
+                                          if row["request_steps"] else None)
         rows.append(row)
     return rows
 
@@ -819,11 +819,12 @@ def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rate = "-" if r["output_tokens_per_s"] is None else f"{r['output_tokens_per_s']:.2f}"
-        mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        per = r["tokens_per_request_step"]
+        per_text = "-" if per is None else f"{per:.2f}"
         lines.append(
             f"| {names[r['models']]} | {'yes' if r['prefill'] else 'no'} | {r['steps']} "
             f"| {r['seconds']:.1f} ({100 * r['share']:.0f}%) | {r['output_tokens']} | {rate} "
-            f"| {r['drafted']} / {r['accepted']} | {mal} | {r['prefill_tokens']} |")
+            f"| {r['drafted']} / {r['accepted']} | {per_text} | {r['prefill_tokens']} |")
     return "\n".join(lines)
 
 

@@ -682,11 +682,11 @@ def test_summary_splits_the_time_by_mode_and_prefill(tmp_path: Path,
     assert (first["steps"], first["output_tokens"], first["drafted"], first["accepted"]) == (
         1, 4, 4, 2)
     assert first["output_tokens_per_s"] == pytest.approx(4 / 0.3)
-    assert first["mean_accepted_length"] == pytest.approx(2.0)
+    assert first["tokens_per_request_step"] == pytest.approx(2.0)
     assert first["share"] == pytest.approx(0.3 / 1.2)
     assert (free["output_tokens"], free["prefill_tokens"]) == (2, 0)
     assert (free_prefill["prefill_tokens"], free_prefill["output_tokens"]) == (100, 2)
-    assert unknown["mean_accepted_length"] is None and unknown["prefill_tokens"] == 50
+    assert unknown["tokens_per_request_step"] is None and unknown["prefill_tokens"] == 50
     table = format_summary(rows)
     assert len(table.splitlines()) == 2 + 4 and "| with model drafters | no | 1 |" in table
     path = tmp_path / "trace.jsonl"
