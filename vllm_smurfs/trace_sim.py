@@ -779,8 +779,8 @@ def summarize(trace: Sequence[TraceStep]) -> list[dict[str, Any]]:
     decodes' ``output_tokens`` (one per request and step, plus the accepted drafts) and
     ``output_tokens_per_s`` over the row's seconds (prefill steps spend part of theirs on the
     chunks); ``drafted`` and ``accepted`` draft tokens; ``tokens_per_request_step`` (output
-    tokens per request and step, drafted or not); ``prefill_tokens``. Rows come in a fixed order (models
-    on, off, unknown; without prefill first); kinds without steps are left out.
+    tokens per request and step, drafted or not); ``prefill_tokens``. Rows come in a fixed
+    order (models on, off, unknown; without prefill first); kinds without steps are left out.
     """
     total = sum(step.seconds for step in trace) or 1.0
     groups: dict[tuple[bool | None, bool], dict[str, Any]] = {}
