@@ -34,13 +34,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: Where a model drafter runs: in the target's worker (vLLM's draft-model machinery: its KV cache
+#: beside the target's, its forwards on the target's threads), or as its own vLLM engine in its own
+#: process (streaming drafts ahead; pays where it runs beside the target: a spare core or device).
+PLACEMENTS = ("worker", "process")
+#: Settings of a process drafter's own engine: meaningless for an in-worker drafter.
+PROCESS_ONLY_KEYS = ("kv_cache_gib", "gpu_memory_utilization", "num_threads", "cpus",
+                     "prefill_chunk_tokens")
+
+
 class ModelDrafterConfig(_Strict):
-    """A small speculative model (SSM) that drafts greedily in its own process."""
+    """A small speculative model (SSM) that drafts greedily."""
 
     method: Literal["draft_model"] = Field(
         default="draft_model", description="Drafter kind; omit it for a model drafter."
     )
     model: str = Field(description="Local path (or hub name) of the draft model.")
+    placement: Literal["worker", "process"] = Field(
+        default="worker",
+        description="'worker': in the target's worker, on vLLM's draft-model machinery (its KV "
+        "cache beside the target's, addressed through the target's block tables; its forwards "
+        "on the target's threads, synchronous); 'process': its own vLLM engine in its own "
+        "process, streaming drafts ahead while the target verifies (for a spare core or "
+        "device).",
+    )
     name: str | None = Field(
         default=None, description="Name used in logs and metrics (default: the folder name)."
     )
@@ -49,34 +66,47 @@ class ModelDrafterConfig(_Strict):
     )
     dtype: str = Field(
         default="auto",
-        description="Weights dtype of the drafter engine; 'auto' uses the target's dtype.",
+        description="Weights dtype of the drafter; 'auto' uses the target's dtype.",
     )
     kv_cache_gib: float = Field(
-        default=1.0, gt=0, description="KV cache size of the drafter engine, in GiB (CPU)."
+        default=1.0, gt=0,
+        description="Process drafters: KV cache size of the drafter engine, in GiB (CPU). An "
+        "in-worker drafter's KV cache comes out of the target's KV cache space.",
     )
     gpu_memory_utilization: float = Field(
         default=0.1,
         gt=0,
         le=1,
-        description="Fraction of GPU memory for the drafter engine (GPU machines only).",
+        description="Process drafters: fraction of GPU memory for the drafter engine (GPU "
+        "machines only).",
     )
     num_threads: int | None = Field(
         default=None,
         ge=1,
-        description="Compute threads of the drafter process (CPU); default 1, or the target's "
-        "thread count when it drafts synchronously on the target's cores.",
+        description="Process drafters: compute threads of the drafter process (CPU); default 1, "
+        "or the target's thread count when it drafts synchronously on the target's cores.",
     )
     cpus: list[int] | None = Field(
         default=None,
-        description="CPU cores the drafter process may run on (default: all cores).",
+        description="Process drafters: CPU cores the drafter process may run on (default: all "
+        "cores).",
+    )
+    draft_vocab_size: int | None = Field(
+        default=None, ge=1,
+        description="In-worker drafters: draft only tokens with ids below this. The drafter's "
+        "output layer then computes this many rows instead of the whole vocabulary (a "
+        "byte-level BPE vocabulary lists its common tokens first): cheaper forwards, and a "
+        "token beyond it is never drafted. Default: the whole vocabulary.",
     )
     max_model_len: int | None = Field(
-        default=None, ge=1, description="Context limit of the drafter (default: the target's)."
+        default=None, ge=1,
+        description="Context limit of the drafter: it drafts for no request whose text is longer "
+        "(default: the smaller of the target's and the drafter's own).",
     )
     prefill_chunk_tokens: int = Field(
         default=256,
         ge=1,
-        description="Most tokens one drafter engine step computes (its max_num_batched_tokens, "
+        description="Process drafters: most tokens one drafter engine step computes (its max_num_batched_tokens, "
         "at least the target's max_num_seqs): long prompts are prefilled in chunks, so the "
         "drafter keeps streaming drafts for the other requests and answers within "
         "draft_timeout_s.",
@@ -85,6 +115,20 @@ class ModelDrafterConfig(_Strict):
     @property
     def display_name(self) -> str:
         return self.name or os.path.basename(os.path.normpath(self.model)) or self.model
+
+    def model_post_init(self, __context: Any) -> None:
+        if self.placement == "worker":
+            # Compared with the defaults, not the keys given: a validated config travels to the
+            # workers as a full dict and is validated again there.
+            fields = type(self).model_fields
+            misplaced = [k for k in PROCESS_ONLY_KEYS if getattr(self, k) != fields[k].default]
+            if misplaced:
+                raise ValueError(
+                    f"{', '.join(misplaced)} set an engine of the drafter's own, which only "
+                    "placement 'process' has; an in-worker drafter (placement 'worker', the "
+                    "default) runs on the target's threads and KV cache space: remove "
+                    f"{'them' if len(misplaced) > 1 else 'it'} or set \"placement\": \"process\""
+                )
 
 
 class NgramDrafterConfig(_Strict):
@@ -228,6 +272,16 @@ class SmurfsConfig(_Strict):
     @property
     def model_drafters(self) -> list[ModelDrafterConfig]:
         return [d for d in self.drafters if isinstance(d, ModelDrafterConfig)]
+
+    @property
+    def process_drafters(self) -> list[ModelDrafterConfig]:
+        """Model drafters in processes of their own (``placement: "process"``)."""
+        return [d for d in self.model_drafters if d.placement == "process"]
+
+    @property
+    def worker_drafters(self) -> list[ModelDrafterConfig]:
+        """Model drafters in the target's worker (``placement: "worker"``)."""
+        return [d for d in self.model_drafters if d.placement == "worker"]
 
     @classmethod
     def from_user_dict(cls, raw: dict[str, Any]) -> SmurfsConfig:

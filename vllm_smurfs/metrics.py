@@ -20,8 +20,9 @@ from typing import Any
 #: (weights, health, derived ratios) describe the moment of the snapshot.
 TOTAL_COUNTERS = ("steps", "proposed_drafts", "verified_drafts", "verified_draft_tokens",
                   "accepted_tokens", "requests_drafted", "requests_without_draft",
-                  "steps_without_models")
-SECONDS_COUNTERS = ("target_step_s", "wait_s", "proposer_s")
+                  "steps_without_models", "prefill_takebacks", "drafter_forwards",
+                  "drafter_tokens")
+SECONDS_COUNTERS = ("target_step_s", "wait_s", "proposer_s", "drafting_s")
 DRAFTER_COUNTERS = ("vote_wins", "drafted_tokens", "accepted_tokens", "steps_late",
                     "engine_steps")
 

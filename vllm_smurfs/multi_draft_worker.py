@@ -1,7 +1,8 @@
 """The drafter runtime: N drafters, each drafting for every request of a step.
 
-Model drafters run in their own processes (`drafter_server`), each with its own vLLM engine, and
-stream their drafts: per request a drafter keeps a *path* (the text it expects, its own greedy
+A model drafter sits in the target's worker (`in_worker_drafter`, the default: synchronous, on
+vLLM's draft-model machinery; the proposer drives it) or in a process of its own. Process
+drafters (`drafter_server`) each run their own vLLM engine and stream their drafts: per request a drafter keeps a *path* (the text it expects, its own greedy
 continuation of a context), extended one engine step at a time while the target verifies. The
 client side here mirrors those paths; a step takes from each path what is ready and consistent
 with the request's current text, and tells the drafters where the text goes next (`track`).
@@ -26,7 +27,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -392,13 +393,21 @@ class MultiDraftWorker:
     """Every drafter's drafts for every request; the vote happens in the proposer."""
 
     def __init__(self, config: SmurfsConfig, dtype: str, max_model_len: int, max_num_seqs: int,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False,
+                 in_worker: Callable[[int, ModelDrafterConfig], Any] | None = None) -> None:
+        """``in_worker(index, spec)`` builds the in-worker drafter of ``config.drafters[index]``
+        (`in_worker_drafter.InWorkerDrafter`: it needs the engine's config)."""
         self.config = config
-        self.drafters: list[ModelDrafterClient | ModelFreeDrafter] = []
-        full, placements = _place_drafters(config) if config.model_drafters else (1, {})
+        self.drafters: list[Any] = []
+        full, placements = _place_drafters(config) if config.process_drafters else (1, {})
         lent = 0
         for index, spec in enumerate(config.drafters):
-            if isinstance(spec, ModelDrafterConfig):
+            if isinstance(spec, ModelDrafterConfig) and spec.placement == "worker":
+                if in_worker is None:
+                    raise ValueError(f"speculative_config.drafters[{index}]: an in-worker "
+                                     "drafter needs the target's worker")
+                self.drafters.append(in_worker(index, spec))
+            elif isinstance(spec, ModelDrafterConfig):
                 cpus, borrowed, threads = placements[index]
                 lent = max(lent, borrowed)
                 self.drafters.append(ModelDrafterClient(
@@ -420,7 +429,19 @@ class MultiDraftWorker:
 
     @property
     def model_drafters(self) -> list[ModelDrafterClient]:
+        """The process drafters."""
         return [d for d in self.drafters if isinstance(d, ModelDrafterClient)]
+
+    @property
+    def free_indices(self) -> list[int]:
+        """Positions of the model-free voters in `names` (and in each request's drafts)."""
+        return [i for i, d in enumerate(self.drafters) if isinstance(d, ModelFreeDrafter)]
+
+    @property
+    def in_worker_indices(self) -> list[int]:
+        """Positions of the in-worker drafters in `names` (and in each request's drafts)."""
+        return [i for i, d in enumerate(self.drafters)
+                if not isinstance(d, (ModelDrafterClient, ModelFreeDrafter))]
 
     @property
     def lends_cores(self) -> bool:
@@ -542,6 +563,8 @@ class MultiDraftWorker:
     def forget(self, req_ids: Sequence[str]) -> None:
         for drafter in self.model_drafters:
             drafter.forget(req_ids)
+        for index in self.in_worker_indices:
+            self.drafters[index].forget(req_ids)
 
     def health(self) -> list[DrafterHealth]:
         return [d.health for d in self.drafters]
@@ -573,7 +596,7 @@ def _place_drafters(config: SmurfsConfig) -> tuple[int, dict[int, tuple[list[int
     every = _allowed_cpus()
     out = {}
     for index, spec in enumerate(config.drafters):
-        if not isinstance(spec, ModelDrafterConfig):
+        if not isinstance(spec, ModelDrafterConfig) or spec.placement != "process":
             continue
         own = spec.num_threads or 1
         if bound is None:

@@ -31,8 +31,10 @@ from vllm_smurfs.length_controller import (
     RequestView,
     StepFeedback,
     StepTiming,
+    room_for_drafts,
 )
 from vllm_smurfs.multi_draft_worker import DraftRequest, MultiDraftWorker
+from vllm_smurfs.step_planner import DrafterOutcome, Plan, PlanRequest, StepPlanner
 from vllm_smurfs.trace_sim import TraceRequest, TraceStep
 from vllm_smurfs.vote_sampler import (
     DrafterWeights,
@@ -61,6 +63,9 @@ class StepContext:
     # e.g. near max_tokens); None when unknown: the proposer's own last draft is assumed.
     verified_drafts: Mapping[str, list[int]] | None = None
     num_scheduled_tokens: int = 0  # tokens the target computes in this step (drafts, prefills)
+    # The model runner (in-worker drafters address their KV cache through its block tables, and
+    # the planner reads each request's remaining token budget); None in unit tests.
+    runner: Any = None
 
 
 @dataclass
@@ -69,6 +74,11 @@ class _RequestState:
     drafts: list[list[int]] | None = None  # each drafter's draft of the last step
     voted: list[int] | None = None  # the chain sent to the target last step
     chosen: int = 0  # the lookahead the policy chose for it last step
+    # In-worker drafting: each drafter's probability of each of its draft tokens (empty for the
+    # others), the model-free voters' chain, and whether the model drafters drafted for it.
+    confidences: list[list[float]] | None = None
+    free_chain: list[int] | None = None
+    models: bool = False
 
 
 @dataclass
@@ -99,6 +109,9 @@ class SmurfsStats:
     requests_without_draft: int = 0  # of those, the ones no drafter had anything ready for
     steps_without_models: int = 0  # steps the policy left the model drafters out of
     prefill_takebacks: int = 0  # steps with prompt chunks that took lent cores back
+    drafter_forwards: int = 0  # forwards of in-worker drafters
+    drafter_tokens: int = 0  # tokens they computed (catch-up and draft tokens fed back)
+    drafting_s: float = 0.0  # seconds they took (part of proposer_s)
     target_step_s: float = 0.0  # time between our return and the next call: the target's steps
     wait_s: float = 0.0  # time propose() waited for drafts
     proposer_s: float = 0.0  # time in propose(), waits included
@@ -115,13 +128,16 @@ class SmurfsStats:
                 "requests_without_draft": self.requests_without_draft,
                 "steps_without_models": self.steps_without_models,
                 "prefill_takebacks": self.prefill_takebacks,
+                "drafter_forwards": self.drafter_forwards,
+                "drafter_tokens": self.drafter_tokens,
+                "drafting_s": round(self.drafting_s, 4),
                 "target_step_s": round(self.target_step_s, 4), "wait_s": round(self.wait_s, 4),
                 "proposer_s": round(self.proposer_s, 4),
                 "drafters": [d.as_dict() for d in self.drafters]}
 
 
 def make_policy(config: SmurfsConfig) -> LookaheadPolicy:
-    """The lookahead policy ``config.lookahead`` asks for."""
+    """The lookahead policy ``config.lookahead`` asks for (drafting with process drafters)."""
     if config.lookahead.policy == "fixed":
         return FixedLookahead(config.num_speculative_tokens)
     return AdaptiveLookahead(config.num_speculative_tokens,
@@ -133,6 +149,38 @@ def make_policy(config: SmurfsConfig) -> LookaheadPolicy:
                              and config.lookahead.min_tokens == 0)
 
 
+def in_worker_mode(config: SmurfsConfig) -> bool:
+    """Whether steps are planned for synchronous in-worker drafting: every model drafter is in
+    the target's worker (with a process drafter, the streaming machinery and its policy lead,
+    and in-worker drafters draft each step's chosen lookahead)."""
+    return bool(config.worker_drafters) and not config.process_drafters
+
+
+def make_planner(config: SmurfsConfig) -> StepPlanner | None:
+    """The adaptive controller of in-worker drafting (None: a fixed lookahead)."""
+    if not in_worker_mode(config) or config.lookahead.policy == "fixed":
+        return None
+    return StepPlanner(config.num_speculative_tokens, len(config.worker_drafters),
+                       min_lookahead=config.lookahead.min_tokens,
+                       pause_models=config.lookahead.pause_drafters)
+
+
+def _in_worker_drafter(spec: Any, index: int, vllm_config: Any, num_speculative_tokens: int) -> Any:
+    # Imported here: it imports vLLM's model machinery (the proposer's own tests run without).
+    from vllm_smurfs.in_worker_drafter import InWorkerDrafter
+
+    return InWorkerDrafter(spec, index, vllm_config, num_speculative_tokens)
+
+
+def _remaining_tokens(runner: Any, req_id: str) -> int | None:
+    """Output tokens a request may still produce (its max_tokens left), when the runner says."""
+    state = getattr(runner, "requests", {}).get(req_id) if runner is not None else None
+    max_tokens = getattr(getattr(state, "sampling_params", None), "max_tokens", None)
+    if max_tokens is None:
+        return None
+    return max(0, int(max_tokens) - len(getattr(state, "output_token_ids", ())))
+
+
 class SmurfsProposer:
     """Collective drafting with a weighted prefix-tree vote (``method: smurfs``)."""
 
@@ -142,6 +190,8 @@ class SmurfsProposer:
         self.num_speculative_tokens = self.config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len
         self.policy = make_policy(self.config)
+        self.in_worker_mode = in_worker_mode(self.config)
+        self.planner = make_planner(self.config)
         self.rule = WeightUpdateRule(**self.config.vote.model_dump())
         self.global_weights = DrafterWeights([d.weight for d in self.config.drafters], self.rule)
         self.worker = MultiDraftWorker(
@@ -150,6 +200,8 @@ class SmurfsProposer:
             max_model_len=self.max_model_len,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             trust_remote_code=model_config.trust_remote_code,
+            in_worker=lambda index, spec: _in_worker_drafter(spec, index, vllm_config,
+                                                              self.num_speculative_tokens),
         )
         self.stats = SmurfsStats(drafters=[DrafterStats(n) for n in self.worker.names])
         self._states: dict[str, _RequestState] = {}
@@ -172,9 +224,16 @@ class SmurfsProposer:
         # what a lookahead brings; requests that arrive later count from their start.
         self._catching_up: set[str] = set()
         self._models_ready = True  # the model drafters had caught up with the last step
+        self._plan_record: dict[str, Any] | None = None  # the last in-worker plan, for the trace
 
     # -- vLLM's proposer interface ------------------------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
+        for drafter in self.in_worker_drafters:
+            try:
+                drafter.load(target_model)
+            except Exception as exc:  # noqa: BLE001 - a drafter that cannot load costs speculation
+                logger.exception("Smurfs in-worker drafter %s could not load", drafter.name)
+                drafter.fail(f"could not load: {type(exc).__name__}: {exc}")
         self.worker.start()
         if self.worker.lends_cores and target_model is not None:
             # Before any core is lent: the GEMMs of decode-sized steps, created now with all
@@ -202,6 +261,24 @@ class SmurfsProposer:
         self.worker.use_models(on)
         self._catching_up = set(req_ids) if on else set()
 
+    @property
+    def in_worker_drafters(self) -> list[Any]:
+        return [self.worker.drafters[i] for i in self.worker.in_worker_indices]
+
+    def initialize_attn_backend(self, kv_cache_config: Any,
+                                kernel_block_sizes: list[int] | None = None) -> None:
+        """The runner has sized the KV cache (the in-worker drafters' layers included): give
+        each in-worker drafter its attention groups (see patches.model_runner_kv_cache)."""
+        for drafter in self.in_worker_drafters:
+            if drafter.health.alive:
+                drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+
+    @property
+    def draft_attn_groups(self) -> list[Any]:
+        """The in-worker drafters' attention groups (the runner maps their KV cache blocks)."""
+        return [group for drafter in self.in_worker_drafters
+                for group in drafter.draft_attn_groups]
+
     def begin_step(self, step: StepContext) -> None:
         self._step = step
 
@@ -210,7 +287,7 @@ class SmurfsProposer:
         sampled_token_ids: list[list[int]],  # [num_reqs][tokens produced this step]
         num_tokens_no_spec: np.ndarray,  # [>= num_reqs] context length per row
         token_ids_cpu: np.ndarray,  # [>= num_reqs, max_model_len] context tokens per row
-        slot_mappings: Any = None,  # unused: drafters keep their own KV caches
+        slot_mappings: Any = None,  # unused: drafters address their KV caches themselves
     ) -> list[list[int]]:
         called = time.perf_counter()
         step, self._step = self._step, None
@@ -225,9 +302,12 @@ class SmurfsProposer:
             # (With no request in common the engine may have been idle in between: not timed.)
             step_s = called - self._returned_at
             self.stats.target_step_s += step_s
-            self.policy.observe_step(StepTiming(len(step.req_ids), step.num_scheduled_tokens,
-                                                step_s, drafting=self._drafting_steps > 0,
-                                                overhead_s=self._overhead_s))
+            timing = StepTiming(len(step.req_ids), step.num_scheduled_tokens, step_s,
+                                drafting=self._drafting_steps > 0, overhead_s=self._overhead_s)
+            if self.planner is not None:
+                self.planner.observe_step(timing)
+            else:
+                self.policy.observe_step(timing)
         self._last_req_ids = frozenset(step.req_ids)
         self.forget(step.finished_req_ids | step.restarted_req_ids)
         feedback = self._learn(step, sampled_token_ids)
@@ -247,6 +327,32 @@ class SmurfsProposer:
         contexts = [token_ids_cpu[i, : view.num_tokens].copy() for i, view in zip(rows, views)]
         free = self.worker.free_drafts([DraftRequest(view.req_id, context, max_lookahead)
                                         for view, context in zip(views, contexts)])
+        for state in (self._states.get(step.req_ids[i]) for i in rows):
+            if state is not None:
+                state.drafts = state.voted = state.confidences = state.free_chain = None
+                state.models = False
+        proposals: list[list[int]] = [[] for _ in sampled_token_ids]
+        drafting = 0.0
+        if self.in_worker_mode:
+            drafting = self._propose_in_worker(step, rows, views, contexts, free, max_lookahead,
+                                               proposals)
+        else:
+            drafting = self._propose_streaming(step, rows, views, contexts, free, max_lookahead,
+                                               proposals)
+        self.stats.steps += 1
+        self._maybe_log()
+        self._returned_at = time.perf_counter()
+        # The proposer's own time, less the in-worker forwards (priced on their own curves).
+        self._overhead_s = self._returned_at - called - drafting
+        self.stats.proposer_s += self._returned_at - called
+        return proposals
+
+    def _propose_streaming(self, step: StepContext, rows: list[int], views: list[RequestView],
+                           contexts: list[np.ndarray], free: list[list[list[int]]],
+                           max_lookahead: int, proposals: list[list[int]]) -> float:
+        """A step with process drafters: the policy chooses the lookaheads and whether the model
+        drafters draft; streamed drafts are taken as they are ready (in-worker drafters, if
+        any, draft the chosen lookaheads). Returns the seconds in-worker forwards took."""
         lookaheads = self.policy.choose(views, max_lookahead,
                                         [max(map(len, per), default=0) for per in free])
         # Model drafters draft (and borrow the cores they share with the target) only for a
@@ -261,28 +367,125 @@ class SmurfsProposer:
         requests = [DraftRequest(view.req_id, context, k) for _, view, k, context, _ in chosen]
         drafts = self._collect(requests, [view for _, view, _, _, _ in chosen], models,
                                [per for *_, per in chosen])
-
-        proposals: list[list[int]] = [[] for _ in sampled_token_ids]
-        for state in (self._states.get(step.req_ids[i]) for i in rows):
-            if state is not None:
-                state.drafts = state.voted = None
+        drafting_s = 0.0
+        for d in self.worker.in_worker_indices if models else ():
+            drafter = self.worker.drafters[d]
+            picked = [n for n, (_, view, *_) in enumerate(chosen)
+                      if drafter.can_draft(view.num_tokens)]
+            if not picked:
+                continue
+            result = drafter.draft_safely(
+                [requests[n].req_id for n in picked],
+                np.asarray([chosen[n][0] for n in picked]),
+                [requests[n].context for n in picked], [requests[n].k for n in picked],
+                step.runner, None)
+            drafting_s += sum(p.seconds for p in result.passes)
+            for n, tokens in zip(picked, result.tokens):
+                drafts[n][d] = tokens
         voted = []
         for (row, *_), request, per_drafter in zip(chosen, requests, drafts):
-            state = self._state(request.req_id)
-            vote = weighted_prefix_vote(per_drafter, state.weights.weights, max_len=request.k)
-            state.drafts, state.voted, state.chosen = per_drafter, vote.tokens, request.k
-            proposals[row] = vote.tokens
-            voted.append(vote.tokens)
-            self._count_proposal(vote.tokens, vote.winner)
+            voted.append(self._vote(request.req_id, row, request.k, per_drafter, proposals))
         if self.config.pipeline and models:
             # Drafters go on past the chains while the target verifies them.
             self.worker.track(requests, voted, [self._max_lead(r.k) for r in requests])
-        self.stats.steps += 1
-        self._maybe_log()
-        self._returned_at = time.perf_counter()
-        self._overhead_s = self._returned_at - called
-        self.stats.proposer_s += self._overhead_s
-        return proposals
+        self.stats.drafting_s += drafting_s
+        return drafting_s
+
+    def _propose_in_worker(self, step: StepContext, rows: list[int], views: list[RequestView],
+                           contexts: list[np.ndarray], free: list[list[list[int]]],
+                           max_lookahead: int, proposals: list[list[int]]) -> float:
+        """A step with in-worker drafters: plan it, draft in the target's worker, vote.
+        Returns the seconds the drafters' forwards took."""
+        n = len(views)
+        free_indices = self.worker.free_indices
+        in_worker = self.worker.in_worker_indices
+        drafters = [self.worker.drafters[d] for d in in_worker]
+        # The model-free voters' own chain per request, at the longest lookahead.
+        free_chains = []
+        for view, per in zip(views, free):
+            weights = self._state(view.req_id).weights.weights
+            free_chains.append(weighted_prefix_vote(
+                [per[d] for d in free_indices], [weights[d] for d in free_indices],
+                max_len=max_lookahead).tokens if free_indices else [])
+        if self.planner is not None:
+            plan = self.planner.plan([
+                PlanRequest(view.req_id, view.num_tokens, view.max_model_len, len(chain),
+                            tuple(d.catch_up_tokens(view.req_id, view.num_tokens)
+                                  if d.can_draft(view.num_tokens) else None for d in drafters),
+                            remaining=_remaining_tokens(step.runner, view.req_id))
+                for view, chain in zip(views, free_chains)], max_lookahead)
+        else:
+            ks = self.policy.choose(views, max_lookahead)
+            plan = Plan(lookaheads=ks, free_lens=list(ks),
+                        model_rows=[[i for i in range(n) if ks[i] > 0
+                                     and d.can_draft(views[i].num_tokens)] for d in drafters],
+                        rate=0.0, verify_s=0.0, mode="fixed")
+        self.stats.steps_without_models += not plan.models
+        tokens: list[list[list[int]]] = [[[] for _ in drafters] for _ in range(n)]
+        confidences: list[list[list[float]]] = [[[] for _ in drafters] for _ in range(n)]
+        drafting_s = 0.0
+        for j, drafter in enumerate(drafters):
+            selected = plan.model_rows[j]
+            if not selected or not drafter.health.alive:
+                continue
+            # The planner's drafts stop by confidence, up to the longest lookahead allowed.
+            caps = [plan.lookaheads[i] if self.planner is None
+                    else min(max_lookahead, room_for_drafts(views[i])) for i in selected]
+            stop = None
+            if self.planner is not None:
+                planner, index = self.planner, j
+
+                def stop(active: list[int], confs: list[list[float]], spent_s: float,
+                         planner=planner, index=index) -> list[int]:
+                    return planner.keep_drafting(plan, index, active, confs, spent_s)
+            result = drafter.draft_safely(
+                [views[i].req_id for i in selected], np.asarray([rows[i] for i in selected]),
+                [contexts[i] for i in selected], caps, step.runner, stop)
+            for p in result.passes:
+                drafting_s += p.seconds
+                self.stats.drafter_forwards += 1
+                self.stats.drafter_tokens += p.num_tokens
+                if self.planner is not None:
+                    self.planner.observe_pass(j, p.num_tokens, p.seconds)
+            for local, i in enumerate(selected):
+                tokens[i][j] = result.tokens[local]
+                confidences[i][j] = result.confidences[local]
+        self.stats.drafting_s += drafting_s
+        in_model_rows = {i for selected in plan.model_rows for i in selected}
+        if self._trace is not None:
+            self._plan_record = {
+                "mode": plan.mode, "rate": round(plan.rate, 4), "lookaheads": plan.lookaheads,
+                "free": [len(c) for c in free_chains],
+                "model": [[len(t) for t in per] for per in tokens],
+                "drafting_s": round(drafting_s, 5)}
+        for i, view in enumerate(views):
+            per = [[] for _ in self.worker.drafters]
+            free_cap = max_lookahead if i in in_model_rows else plan.free_lens[i]
+            for d in free_indices:
+                per[d] = free[i][d][:free_cap]
+            for j, d in enumerate(in_worker):
+                per[d] = tokens[i][j]
+            k = max(map(len, per), default=0)
+            self.stats.requests_drafted += k > 0
+            if k == 0:
+                continue
+            self._vote(view.req_id, rows[i], k, per, proposals)
+            state = self._state(view.req_id)
+            state.confidences = [[] for _ in self.worker.drafters]
+            for j, d in enumerate(in_worker):
+                state.confidences[d] = confidences[i][j]
+            state.free_chain = free_chains[i]
+            state.models = i in in_model_rows
+        return drafting_s
+
+    def _vote(self, req_id: str, row: int, k: int, per_drafter: list[list[int]],
+              proposals: list[list[int]]) -> list[int]:
+        state = self._state(req_id)
+        vote = weighted_prefix_vote(per_drafter, state.weights.weights, max_len=k)
+        state.drafts, state.voted, state.chosen = per_drafter, vote.tokens, k
+        proposals[row] = vote.tokens
+        self._count_proposal(vote.tokens, vote.winner)
+        return vote.tokens
 
     def _collect(self, requests: list[DraftRequest], views: list[RequestView], models: bool,
                  free: list[list[list[int]]]) -> list[list[list[int]]]:
@@ -332,6 +535,8 @@ class SmurfsProposer:
             self._states.pop(req_id, None)
         self._catching_up.difference_update(req_ids)
         self.policy.forget(req_ids)
+        if self.planner is not None:
+            self.planner.forget(req_ids)
         self.worker.forget(req_ids)
 
     def _state(self, req_id: str) -> _RequestState:
@@ -345,6 +550,10 @@ class SmurfsProposer:
                sampled_token_ids: list[list[int]]) -> list[StepFeedback]:
         """Score every drafter's last draft against what the target produced."""
         feedback = []
+        in_worker = self.worker.in_worker_indices if self.planner is not None else []
+        free_outcomes: list[tuple[str, DrafterOutcome]] = []
+        voted_with_models: list[StepFeedback] = []
+        model_outcomes: list[list[DrafterOutcome]] = [[] for _ in in_worker]
         for req_id, produced in zip(step.req_ids, sampled_token_ids):
             state = self._states.get(req_id)
             if state is None or state.voted is None or state.drafts is None or not produced:
@@ -370,10 +579,26 @@ class SmurfsProposer:
             for drafter_stats, draft in zip(self.stats.drafters, state.drafts):
                 drafter_stats.drafted_tokens += len(draft)
                 drafter_stats.accepted_tokens += matched_prefix_len(draft, produced)
-            state.voted = state.drafts = None
+            if self.planner is not None:
+                if state.free_chain:
+                    free_outcomes.append((req_id, DrafterOutcome(
+                        len(state.free_chain), matched_prefix_len(state.free_chain, produced),
+                        len(produced))))
+                if state.models and verified:
+                    voted_with_models.append(StepFeedback(req_id, len(verified), accepted))
+                for j, d in enumerate(in_worker):
+                    draft = state.drafts[d]
+                    if draft and state.confidences is not None:
+                        model_outcomes[j].append(DrafterOutcome(
+                            len(draft), matched_prefix_len(draft, produced), len(produced),
+                            tuple(state.confidences[d])))
+            state.voted = state.drafts = state.confidences = state.free_chain = None
         for drafter_stats, weight in zip(self.stats.drafters, self.global_weights.weights):
             drafter_stats.weight = weight
-        self.policy.observe(feedback, models_ready=self._models_ready)
+        if self.planner is not None:
+            self.planner.observe(free_outcomes, voted_with_models, model_outcomes)
+        else:
+            self.policy.observe(feedback, models_ready=self._models_ready)
         self._models_ready = True
         return feedback
 
@@ -393,8 +618,10 @@ class SmurfsProposer:
                                          fb.num_accepted if fb else 0))
         line = TraceStep(self.stats.steps, time.monotonic(), step_s, step.num_scheduled_tokens,
                          tuple(requests), tuple(draft_timings),
-                         drafting=self._drafting_steps > 0).to_json()
-        self._trace.write(line + "\n")
+                         drafting=self._drafting_steps > 0).to_dict()
+        if self._plan_record is not None:
+            line["plan"] = self._plan_record  # in-worker drafting: what the last step planned
+        self._trace.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def _count_proposal(self, voted: list[int], winner: int) -> None:
         if voted:
@@ -409,6 +636,8 @@ class SmurfsProposer:
             entry["steps_late"] = health.steps_late
             entry["engine_steps"] = health.steps_answered
             entry["busy_s"] = round(health.busy_s, 4)
+        if self.planner is not None:
+            out["controller"] = self.planner.snapshot()
         return out
 
     def _maybe_log(self) -> None:

@@ -32,7 +32,18 @@ class Job:
     dtype: str = "float32"
     max_model_len: int = 512
     chat_template: bool = False  # apply the tokenizer's chat template to each prompt
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # "" unsets a variable
+    # Further `LLM(...)` arguments (e.g. max_num_seqs, max_num_batched_tokens, block_size).
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    # Driving the engine step by step instead of one generate() call: prompt i joins at engine
+    # step arrive_at[i] (default 0), and is aborted once its output has abort_after[i] tokens.
+    arrive_at: dict[int, int] = field(default_factory=dict)
+    abort_after: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # JSON (the job travels to its process as JSON) turns integer keys into strings.
+        self.arrive_at = {int(k): v for k, v in self.arrive_at.items()}
+        self.abort_after = {int(k): v for k, v in self.abort_after.items()}
 
 
 @dataclass
@@ -46,6 +57,8 @@ class Result:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     smurfs_stats: dict[str, Any] | None = None  # of the measured generate() only
+    num_preemptions: int = 0  # requests the scheduler preempted in the measured run
+    aborted: list[int] = field(default_factory=list)  # prompts aborted (outputs: until then)
 
     @property
     def num_output_tokens(self) -> int:
@@ -83,8 +96,10 @@ def divergences(reference: list[list[int]], other: list[list[int]]) -> dict[int,
 
 def run_job(job: Job, timeout_s: float = 900.0) -> Result:
     """Run ``job`` in a child process (in-process engine there) and return its result."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **job.env}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(job.env)
+    env = {k: v for k, v in env.items() if v != ""}  # an empty value in job.env unsets it
     with tempfile.TemporaryDirectory(prefix="smurfs-job-") as tmp:
         job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
         with open(job_path, "w") as f:
@@ -104,7 +119,7 @@ def _execute(job: Job) -> Result:
     started = time.perf_counter()
     llm = LLM(model=job.target, dtype=job.dtype, max_model_len=job.max_model_len, seed=0,
               enforce_eager=True, disable_log_stats=False,
-              speculative_config=job.speculative_config)
+              speculative_config=job.speculative_config, **job.engine_args)
     startup_s = time.perf_counter() - started
     n = len(job.prompts)
     max_tokens = job.max_tokens if isinstance(job.max_tokens, list) else [job.max_tokens] * n
@@ -128,14 +143,23 @@ def _execute(job: Job) -> Result:
     llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     llm.reset_prefix_cache()
     before, smurfs_before = spec_counters(llm), _smurfs_stats(llm)
+    preemptions_before = _preemptions(llm)
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    aborted: list[int] = []
+    if job.arrive_at or job.abort_after:
+        token_ids, texts, aborted = _drive(llm, job, prompts, params)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        texts = [o.outputs[0].text for o in outputs]
     elapsed_s = time.perf_counter() - started
     counted = counter_delta(spec_counters(llm), before)
     smurfs_after = _smurfs_stats(llm)
     return Result(
-        token_ids=[list(o.outputs[0].token_ids) for o in outputs],
-        texts=[o.outputs[0].text for o in outputs],
+        token_ids=token_ids,
+        texts=texts,
+        num_preemptions=_preemptions(llm) - preemptions_before,
+        aborted=aborted,
         elapsed_s=elapsed_s,
         startup_s=startup_s,
         num_drafts=counted["num_drafts"],
@@ -145,6 +169,43 @@ def _execute(job: Job) -> Result:
         smurfs_stats=(stats_delta(smurfs_after, smurfs_before)
                       if smurfs_after is not None and smurfs_before is not None else None),
     )
+
+
+def _drive(llm: Any, job: Job, prompts: list[Any], params: list[Any]
+           ) -> tuple[list[list[int]], list[str], list[int]]:
+    """Step the engine by hand: prompts join at their step, some are aborted midway."""
+    engine = llm.llm_engine
+    ids = [f"job-{i}" for i in range(len(prompts))]
+    pending = sorted(range(len(prompts)), key=lambda i: job.arrive_at.get(i, 0))
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    texts: dict[int, str] = {i: "" for i in range(len(prompts))}
+    done: set[int] = set()
+    aborted: list[int] = []
+    step = 0
+    while len(done) < len(prompts):
+        while pending and job.arrive_at.get(pending[0], 0) <= step:
+            i = pending.pop(0)
+            engine.add_request(ids[i], prompts[i], params[i])
+        if not engine.has_unfinished_requests():
+            step += 1
+            continue
+        for output in engine.step():
+            i = ids.index(output.request_id)
+            tokens[i] = list(output.outputs[0].token_ids)
+            texts[i] = output.outputs[0].text
+            if output.finished:
+                done.add(i)
+            elif i in job.abort_after and len(tokens[i]) >= job.abort_after[i]:
+                engine.abort_request([ids[i]])
+                aborted.append(i)
+                done.add(i)
+        step += 1
+    return ([tokens[i] for i in range(len(prompts))], [texts[i] for i in range(len(prompts))],
+            sorted(aborted))
+
+
+def _preemptions(llm: Any) -> int:
+    return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
 
 def spec_counters(llm: Any) -> dict[str, Any]:

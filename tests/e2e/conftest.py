@@ -24,18 +24,28 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> TinyFamily:
     return build_tiny_family(tmp_path_factory.mktemp("tiny-models"), num_drafts=3)
 
 
-def smurfs_config(family: TinyFamily, **extra) -> dict:
-    """Smurfs with the three drafts, at the fixed lookahead vLLM's draft_model runs use here."""
+def smurfs_config(family: TinyFamily, placement: str = "worker", **extra) -> dict:
+    """Smurfs with the three drafts at the fixed lookahead vLLM's draft_model runs use here."""
     return {"method": "smurfs", "num_speculative_tokens": LOOKAHEAD,
-            "drafters": [{"model": d} for d in family.drafts],
+            "drafters": [{"model": d, "placement": placement} for d in family.drafts],
             "lookahead": {"policy": "fixed"}, **extra}
+
+
+def default_config(family: TinyFamily, **extra) -> dict:
+    """What a user writes: drafters and an n-gram voter, every other setting at its default
+    (in-worker drafters, adaptive lookahead)."""
+    return {"method": "smurfs", "num_speculative_tokens": LOOKAHEAD,
+            "drafters": [{"model": d} for d in family.drafts]
+            + [{"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}], **extra}
 
 
 @pytest.fixture(scope="session")
 def greedy_runs(family: TinyFamily):
-    """Cached greedy runs by name: 'none', 'smurfs' (pipelined, fixed lookahead),
-    'smurfs-sync' (synchronous drafting), 'smurfs-adaptive' (pipelined, adaptive lookahead of
-    at least 1), 'draft_model-<i>'."""
+    """Cached greedy runs by name: 'none'; in-worker drafters: 'smurfs' (fixed lookahead),
+    'smurfs-default' (the default config: adaptive, with the n-gram voter), 'smurfs-one' (one
+    drafter, fixed lookahead: vLLM draft_model's setting); process drafters: 'smurfs-process'
+    (pipelined, fixed lookahead), 'smurfs-process-sync' (synchronous), 'smurfs-process-adaptive'
+    (pipelined, adaptive lookahead of at least 1); 'draft_model-<i>'."""
 
     @functools.cache
     def get(name: str) -> Result:
@@ -43,12 +53,19 @@ def greedy_runs(family: TinyFamily):
             spec = None
         elif name == "smurfs":
             spec = smurfs_config(family)
-        elif name == "smurfs-sync":
-            spec = smurfs_config(family, pipeline=False)
-        elif name == "smurfs-adaptive":
+        elif name == "smurfs-default":
+            spec = default_config(family)
+        elif name == "smurfs-one":
+            spec = {**smurfs_config(family), "drafters": [{"model": family.drafts[0]}]}
+        elif name == "smurfs-process":
+            spec = smurfs_config(family, "process")
+        elif name == "smurfs-process-sync":
+            spec = smurfs_config(family, "process", pipeline=False)
+        elif name == "smurfs-process-adaptive":
             # At least one token: on tiny models drafting costs more than a target step, and the
             # controller would rightly switch speculation off, leaving nothing to check.
-            spec = {**smurfs_config(family), "lookahead": {"policy": "adaptive", "min_tokens": 1}}
+            spec = {**smurfs_config(family, "process"),
+                    "lookahead": {"policy": "adaptive", "min_tokens": 1}}
         else:
             index = int(name.rsplit("-", 1)[1])
             spec = {"method": "draft_model", "model": family.drafts[index],

@@ -45,6 +45,11 @@ def test_valid_config_becomes_custom_class(family):
         (lambda f: smurfs([{"method": "eagle"}]), r"drafters\[0\]: unknown drafter method"),
         (lambda f: smurfs([{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}]),
          r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(2\)"),
+        (lambda f: smurfs([{"model": f.drafts[0], "placement": "gpu"}]),
+         r"drafters\[0\]\.placement: Input should be 'worker' or 'process' \(got 'gpu'\)"),
+        (lambda f: smurfs([{"model": f.drafts[0], "cpus": [1], "num_threads": 1}]),
+         r"drafters\[0\]: .*num_threads, cpus set an engine of the drafter's own, which only "
+         r"placement 'process' has"),
     ],
 )
 def test_config_error_messages(family, make_spec, expected):
@@ -63,6 +68,17 @@ def test_drafter_with_other_vocabulary_is_refused(family, tmp_path):
     message = str(info.value)
     assert str(other) in message and family.target in message
     assert "1234" in message and "600" in message
+
+
+def test_drafter_vllm_cannot_run_in_the_worker_is_refused(family, tmp_path):
+    other = tmp_path / "unknown-arch"
+    other.mkdir()
+    config = json.loads((__import__("pathlib").Path(family.target) / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"drafters\[0\]\.model: .* has architecture "
+                                         r"\['NoSuchModelForCausalLM'\], which vLLM cannot run"):
+        engine_config(family.target, smurfs([{"model": str(other)}]))
 
 
 def test_cli_value_is_a_path_or_inline_json(tmp_path):

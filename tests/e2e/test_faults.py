@@ -1,4 +1,7 @@
-"""A drafter that cannot start, crashes or hangs costs speculation, never a request or a token."""
+"""A drafter that cannot start, crashes or hangs costs speculation, never a request or a token.
+
+(An in-worker drafter failing mid-run: tests/e2e/test_in_worker.py.)
+"""
 
 import shutil
 from pathlib import Path
@@ -33,7 +36,9 @@ def long_reference(family):
     return run_with(family, None, max_tokens=FAULT_MAX_TOKENS)
 
 
-def test_broken_drafter_is_left_out_and_output_unchanged(family, greedy_runs, tmp_path):
+@pytest.mark.parametrize("placement", ["worker", "process"])
+def test_broken_drafter_is_left_out_and_output_unchanged(family, greedy_runs, tmp_path,
+                                                         placement):
     # Same config and tokenizer as the target, so it passes the start-up checks, but no weights.
     broken = tmp_path / "broken-draft"
     broken.mkdir()
@@ -41,7 +46,8 @@ def test_broken_drafter_is_left_out_and_output_unchanged(family, greedy_runs, tm
         if not item.name.endswith(".safetensors"):
             shutil.copy(item, broken / item.name)
     spec = {"method": "smurfs", "num_speculative_tokens": 4,
-            "drafters": [{"model": str(broken), "name": "broken"}, {"method": "ngram"}]}
+            "drafters": [{"model": str(broken), "name": "broken", "placement": placement},
+                         {"method": "ngram"}]}
     result = run_with(family, spec)
     assert divergences(greedy_runs("none").token_ids, result.token_ids) == {}
     broken_stats, ngram_stats = result.smurfs_stats["drafters"]
@@ -56,7 +62,7 @@ def test_broken_drafter_is_left_out_and_output_unchanged(family, greedy_runs, tm
                          ids=["exit-pipelined", "hang-pipelined", "hang-sync"])
 def test_drafter_dying_mid_run_is_left_out_and_output_unchanged(family, long_reference, fault,
                                                                  pipeline):
-    spec = smurfs_config(family, draft_timeout_s=HANG_TIMEOUT_S, pipeline=pipeline)
+    spec = smurfs_config(family, "process", draft_timeout_s=HANG_TIMEOUT_S, pipeline=pipeline)
     result = run_with(family, spec, max_tokens=FAULT_MAX_TOKENS,
                       env={"SMURFS_DRAFTER_FAULT": f"draft-1={fault}:{FAULT_AFTER_STEPS}"})
     assert result.elapsed_s > 2 * HANG_TIMEOUT_S, "the run ended before a hang could be seen"

@@ -7,7 +7,8 @@ from vllm_smurfs.runner import divergences
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("mode", ["smurfs", "smurfs-sync", "smurfs-adaptive"])
+@pytest.mark.parametrize("mode", ["smurfs", "smurfs-default", "smurfs-process",
+                                  "smurfs-process-sync", "smurfs-process-adaptive"])
 def test_smurfs_greedy_identical_to_no_speculation(greedy_runs, mode):
     reference, smurfs = greedy_runs("none"), greedy_runs(mode)
     lengths = [len(t) for t in reference.token_ids]
@@ -19,13 +20,13 @@ def test_smurfs_greedy_identical_to_no_speculation(greedy_runs, mode):
 
 
 def test_smurfs_beats_worst_single_draft(greedy_runs):
-    # Synchronous drafting: every step verifies a complete vote of the three drafts at the same
-    # lookahead as draft_model (pipelined drafts are what is ready in time, a speed trade-off).
-    smurfs = greedy_runs("smurfs-sync")
+    # In-worker drafters at a fixed lookahead: every step verifies a complete vote of the three
+    # drafts at the same lookahead as draft_model.
+    smurfs = greedy_runs("smurfs")
     singles = [greedy_runs(f"draft_model-{i}") for i in range(3)]
     figures = {f"draft_model-{i}": r.mean_acceptance_length for i, r in enumerate(singles)}
-    figures["smurfs-sync"] = smurfs.mean_acceptance_length
-    figures["smurfs (pipelined)"] = greedy_runs("smurfs").mean_acceptance_length
+    figures["smurfs"] = smurfs.mean_acceptance_length
+    figures["smurfs-process (pipelined)"] = greedy_runs("smurfs-process").mean_acceptance_length
     print(f"\nmean acceptance length: {figures}")
     for single in singles:  # vLLM's own method is lossless in float32 too
         assert divergences(greedy_runs("none").token_ids, single.token_ids) == {}

@@ -25,7 +25,53 @@ def test_register_is_idempotent_and_patches_targets():
     assert _patching.is_patched(EngineArgs, "add_cli_args")
     assert _patching.is_patched(GPUModelRunner, "propose_draft_token_ids")
     assert _patching.is_patched(GPUModelRunner, "execute_model")
+    assert _patching.is_patched(GPUModelRunner, "initialize_metadata_builders")
     assert _patching.is_patched(rejection_sampler, "expand_batch_to_tokens")  # CPU machine
+
+
+def test_lookahead_slots_are_reserved_for_in_worker_drafters_only():
+    """If vLLM reserved slots for every custom proposer, the patch could go (the first line)."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig
+
+    from vllm_smurfs import plugin
+    from vllm_smurfs.patches import _patching
+
+    plugin.register()
+    vllm_answer = _patching.original(VllmConfig, "num_lookahead_tokens").fget
+
+    def config(drafters, method="custom_class"):
+        return SimpleNamespace(
+            speculative_config=SimpleNamespace(method=method, num_speculative_tokens=5,
+                                               use_eagle=lambda: False,
+                                               uses_draft_model=lambda: False,
+                                               use_dflash=lambda: False,
+                                               use_dspark=lambda: False),
+            additional_config={"smurfs": {"drafters": drafters}}, num_speculative_tokens=5)
+
+    in_worker = config([{"model": "/m"}, {"method": "ngram"}])
+    assert vllm_answer(in_worker) == 0  # what vLLM reserves for a custom proposer
+    assert VllmConfig.num_lookahead_tokens.fget(in_worker) == 5
+    assert VllmConfig.num_lookahead_tokens.fget(
+        config([{"model": "/m", "placement": "process"}, {"method": "ngram"}])) == 0
+    assert VllmConfig.num_lookahead_tokens.fget(config([{"method": "ngram"}])) == 0
+
+
+def test_the_runner_method_that_initialises_drafter_attention_still_takes_the_kv_config():
+    """The patch calls vLLM's body with (kv_cache_config, kernel_block_sizes): a changed
+    signature means the patch must change."""
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_smurfs import plugin
+    from vllm_smurfs.patches import _patching
+
+    plugin.register()
+    original = _patching.original(GPUModelRunner, "initialize_metadata_builders")
+    assert list(inspect.signature(original).parameters) == [
+        "self", "kv_cache_config", "kernel_block_sizes"]
 
 
 def test_prompt_tokens_of_a_step_are_what_is_neither_next_token_nor_draft():

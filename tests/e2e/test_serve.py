@@ -50,10 +50,12 @@ def spec_counters(base: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def server(family, tmp_path_factory):
     # Fixed lookahead: on tiny models (a target step of a millisecond) the adaptive policy
-    # rightly finds little worth drafting, and this test is about the server path.
+    # rightly finds little worth drafting, and this test is about the server path. Both kinds
+    # of model drafter in one collective: one in the target's worker, one in its own process.
     config = {"method": "smurfs", "num_speculative_tokens": 4, "lookahead": {"policy": "fixed"},
-              "drafters": [{"model": d} for d in family.drafts[:2]]
-              + [{"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}]}
+              "drafters": [{"model": family.drafts[0]},
+                           {"model": family.drafts[1], "placement": "process"},
+                           {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}]}
     config_path = tmp_path_factory.mktemp("serve") / "smurfs.json"
     config_path.write_text(json.dumps(config))
     port = free_port()

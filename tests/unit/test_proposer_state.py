@@ -29,6 +29,8 @@ class ScriptedWorker:
         self.free: list[int] | None = None  # model-free draft lengths (default: none ready)
         self.models_used: list[bool] = []
         self.model_indices = list(range(len(self.names)))
+        self.in_worker_indices: list[int] = []
+        self.free_indices: list[int] = []
         self.lends_cores = False
 
     def start(self):
@@ -72,7 +74,8 @@ def make_proposer(monkeypatch, **extra):
     monkeypatch.setattr(proposer_module, "MultiDraftWorker", ScriptedWorker)
     smurfs = {"method": "smurfs", "num_speculative_tokens": K, "log_stats_interval_s": 0,
               "lookahead": {"policy": "fixed"},
-              "drafters": [{"model": "/a"}, {"model": "/b"}], **extra}
+              "drafters": [{"model": "/a", "placement": "process"},
+                           {"model": "/b", "placement": "process"}], **extra}
     vllm_config = SimpleNamespace(
         additional_config={"smurfs": smurfs},
         model_config=SimpleNamespace(max_model_len=64, dtype="float32",

@@ -5,7 +5,9 @@
 | engine_args_speculative | `vllm.engine.arg_utils.EngineArgs.create_speculative_config` | `SpeculativeConfig` refuses `method: smurfs` and its keys | validate a `SmurfsConfig`, store it in `additional_config["smurfs"]`, pass vLLM the equivalent `custom_class` config | vLLM lets plugins register speculative methods |
 | cli_speculative_config | `vllm.engine.arg_utils.EngineArgs.add_cli_args` | `--speculative-config` takes inline JSON only | the option's `type` also reads a JSON file path | vLLM accepts a path there |
 | rejection_sampler_expand | `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` (CPU only) | the CPU kernel wrapper never writes float outputs: verification at temperature > 0 divides logits by uninitialised memory, lossy for every method | a `torch.repeat_interleave` version on CPU | the CPU wrapper writes float outputs back |
-| model_runner_propose | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids` | custom proposers get no request ids or lifecycle events | hand the proposer a `StepContext` (req ids, finished, preempted/resumed, lookahead) before vLLM's body | vLLM passes them to custom proposers |
+| model_runner_propose | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids` | custom proposers get no request ids or lifecycle events | hand the proposer a `StepContext` (req ids, finished, preempted/resumed, lookahead, the runner) before vLLM's body | vLLM passes them to custom proposers |
+| model_runner_kv_cache | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_metadata_builders` | the runner initialises the attention groups of vLLM's own draft models only: in-worker drafters (vLLM `DraftModelProposer`s inside a `custom_class` proposer) would have a KV cache and no way to address it | after vLLM's body, the Smurfs proposer initialises each in-worker drafter's attention groups (vLLM's own method); the runner binds their KV cache through the proposer's `draft_attn_groups` as for its own drafters | vLLM initialises the attention backend of every proposer that has one |
+| vllm_config_lookahead | `vllm.config.VllmConfig.num_lookahead_tokens` (property) | in-worker drafters write KV for the sampled token and their draft tokens, past the target's scheduled tokens; vLLM reserves those slots for its own draft models only | with a Smurfs config that has an in-worker drafter, answer `num_speculative_tokens` (what vLLM answers for `draft_model`) | a custom proposer can declare its lookahead slots |
 | model_runner_execute | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model` | a CPU GEMM primitive keeps the thread count it was created with: a prompt chunk computed while a drafter borrows a core slows every later step of its size (2048-token steps 2x) | before vLLM's body, tell the proposer the step's prompt tokens; it takes the cores back first | vLLM's CPU GEMM cache keys on the thread count |
 
 Each patch records the original (see `_patching`), refuses to patch twice, and is tested in
@@ -21,6 +23,8 @@ PATCH_MODULES = (
     "vllm_smurfs.patches.cli_speculative_config",
     "vllm_smurfs.patches.model_runner_propose",
     "vllm_smurfs.patches.model_runner_execute",
+    "vllm_smurfs.patches.model_runner_kv_cache",
+    "vllm_smurfs.patches.vllm_config_lookahead",
     "vllm_smurfs.patches.rejection_sampler_expand",
 )
 

@@ -3,7 +3,8 @@
 Why: vLLM's `SpeculativeConfig` forbids unknown methods and keys (``drafters``, ``vote``...), and
 a ``custom_class`` proposer only receives the `VllmConfig`.
 How: when the user's dict says ``method: smurfs``, validate it as a `SmurfsConfig`, check the
-drafters against the target (paths, vocabulary), store it in ``additional_config["smurfs"]``
+drafters against the target (paths, vocabulary, what vLLM can host in the target's worker and
+its KV cache space; `engine_setup`), default the target to every core on CPU, store it in ``additional_config["smurfs"]``
 (vLLM's channel for plugin settings; it reaches every worker and enters the config hash), and
 hand vLLM the equivalent ``custom_class`` config. Every other config passes through untouched.
 When it can go: when vLLM lets plugins register speculative methods with their own config.
@@ -15,6 +16,7 @@ from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
 
+from vllm_smurfs import engine_setup
 from vllm_smurfs.config import ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS, SmurfsConfig
 from vllm_smurfs.patches._patching import original, replace_attribute
 
@@ -33,6 +35,10 @@ def translate(engine_args: Any, target_model_config: Any) -> None:
         target_model_config.get_vocab_size(),
         trust_remote_code=target_model_config.trust_remote_code,
     )
+    engine_setup.check_in_worker_drafters(smurfs, target_model_config,
+                                          engine_setup.kv_cache_space_bytes(engine_args),
+                                          getattr(engine_args, "block_size", None))
+    engine_setup.default_to_all_cores()
     additional = engine_args.additional_config
     if additional is None:
         additional = {}

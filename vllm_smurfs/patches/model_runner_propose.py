@@ -5,7 +5,8 @@ requests finish), no finished/preempted requests, no per-step lookahead. Smurfs 
 state, vote weights and the previous draft per request, so it needs all of these.
 How: before vLLM's own body runs, hand the proposer a `StepContext` built from
 ``input_batch.req_ids`` and the scheduler output (lifecycle events, lookahead cap, drafts
-verified, tokens computed). The CPU runner inherits this method.
+verified, tokens computed) and the runner itself (in-worker drafters address their KV cache
+through its block tables). The CPU runner inherits this method.
 When it can go: when vLLM passes request ids and lifecycle events to custom proposers.
 """
 
@@ -33,6 +34,7 @@ def _propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
                 max_spec_tokens=scheduler_output.num_spec_tokens_to_schedule,
                 verified_drafts=scheduler_output.scheduled_spec_decode_tokens,
                 num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+                runner=self,
             )
         )
     return original(TARGET, NAME)(self, scheduler_output, *args, **kwargs)

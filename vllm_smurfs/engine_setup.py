@@ -1,0 +1,129 @@
+"""What configuring an engine with Smurfs checks and sets, before any engine process starts.
+
+Called from the front process (`patches.engine_args_speculative`) once the user's config is
+valid on its own: the drafters are checked against the target and against what vLLM can host in
+the target's worker (architecture, KV cache space), so a bad setting fails at once with the
+setting named, not deep in a worker; and on CPU the target is given every core by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
+
+logger = logging.getLogger(__name__)
+
+#: The CPU backend's KV cache block size (tokens): space is taken in whole blocks.
+_CPU_BLOCK_TOKENS = 128
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+
+
+def check_in_worker_drafters(smurfs: SmurfsConfig, target_model_config: Any,
+                             kv_cache_bytes: int | None, block_size: int | None = None) -> None:
+    """Refuse in-worker drafters vLLM cannot run in the target's worker, and a KV cache space
+    (CPU: ``VLLM_CPU_KVCACHE_SPACE`` or ``kv_cache_memory_bytes``) too small for one request of
+    ``max_model_len`` with the target and every in-worker drafter, counted as vLLM counts it
+    (whole blocks of ``block_size`` tokens, one of them kept empty), so that the error names the
+    drafters where vLLM's own would not."""
+    drafters = [(i, d) for i, d in enumerate(smurfs.drafters)
+                if isinstance(d, ModelDrafterConfig) and d.placement == "worker"]
+    if not drafters:
+        return
+    trust = bool(getattr(target_model_config, "trust_remote_code", False))
+    configs = {i: _hf_config(d.model, trust) for i, d in drafters}
+    for i, drafter in drafters:
+        _check_architecture(i, drafter, configs[i])
+    if kv_cache_bytes is None:
+        return
+    max_len = int(target_model_config.max_model_len)
+    block = block_size or _CPU_BLOCK_TOKENS
+    # As vLLM counts: one request's blocks, and the block the pool keeps empty (its null block).
+    blocks = -(-max_len // block) + 1
+    target_dtype = str(target_model_config.dtype).removeprefix("torch.")
+    per_token = {"target": kv_bytes_per_token(target_model_config.hf_config, target_dtype)}
+    for i, drafter in drafters:
+        dtype = target_dtype if drafter.dtype == "auto" else drafter.dtype
+        per_token[f"drafter '{drafter.display_name}'"] = kv_bytes_per_token(configs[i], dtype)
+    needed = blocks * block * sum(per_token.values())
+    if needed > kv_cache_bytes:
+        fits = kv_cache_bytes // sum(per_token.values())
+        parts = ", ".join(f"{name} {b / 1024:.0f} KiB" for name, b in per_token.items())
+        raise ValueError(
+            f"speculative_config.drafters: the KV cache space ({kv_cache_bytes / 2**30:.2f} GiB) "
+            f"holds {fits} tokens of the target and its in-worker drafters together (per token: "
+            f"{parts}), fewer than one request of max_model_len={max_len} needs (in blocks of "
+            f"{block} tokens, one kept empty): raise "
+            "VLLM_CPU_KVCACHE_SPACE (or kv_cache_memory_bytes), lower max_model_len, or move a "
+            "drafter out of the worker (\"placement\": \"process\").")
+
+
+def kv_bytes_per_token(hf_config: Any, dtype: str) -> int:
+    """KV cache bytes one token takes in every attention layer of a model (keys and values)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    dtype = str(dtype).removeprefix("torch.")
+    return 2 * int(text.num_hidden_layers) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
+
+
+def _hf_config(model: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.path.expanduser(model),
+                                      trust_remote_code=trust_remote_code)
+
+
+def _check_architecture(index: int, drafter: ModelDrafterConfig, hf_config: Any) -> None:
+    from vllm.model_executor.models import ModelRegistry
+
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    supported = ModelRegistry.get_supported_archs()
+    if not any(arch in supported for arch in archs):
+        raise ValueError(
+            f"speculative_config.drafters[{index}].model: '{drafter.model}' has architecture "
+            f"{archs or '(none given)'}, which vLLM cannot run as a draft model in the target's "
+            "worker; use a causal language model vLLM supports.")
+
+
+def default_to_all_cores() -> bool:
+    """On CPU with no placement set (neither ``VLLM_CPU_OMP_THREADS_BIND`` nor
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU``), give the target every core its NUMA node offers.
+
+    vLLM-CPU's automatic binding keeps one core per worker out of the compute threads, for the
+    scheduler process: on a 2-core machine it computes on one core and leaves the other nearly
+    idle (no speculation ran at 0.61x of its speed on both cores here). Smurfs' drafters compute
+    on the target's threads (or borrow its cores), so the target is given them all: the engine
+    processes inherit ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``. Returns whether it set it.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
+        return False
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    logger.info("Smurfs: the target computes on every core (VLLM_CPU_NUM_OF_RESERVED_CPU=0; set "
+                "VLLM_CPU_OMP_THREADS_BIND or VLLM_CPU_NUM_OF_RESERVED_CPU to choose otherwise)")
+    return True
+
+
+def kv_cache_space_bytes(engine_args: Any) -> int | None:
+    """The KV cache space the CPU backend will use, when it is known before the engine starts:
+    ``VLLM_CPU_KVCACHE_SPACE`` (GiB; the CPU backend lets it override the argument), else
+    ``kv_cache_memory_bytes``."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if space:
+        try:
+            return int(space) * 2**30
+        except ValueError:
+            return None
+    explicit = getattr(engine_args, "kv_cache_memory_bytes", None)
+    return int(explicit) if explicit else None
