@@ -74,6 +74,10 @@ _MIN_RELATIVE_GAIN = 1e-9
 # drafting every 64 steps.
 _EXPLORE_OBSERVATIONS = 8.0
 _PROBE_INTERVAL_STEPS = 64
+# Exploration drafts for the requests whose catch-up is cheapest, this many catch-up tokens in
+# all (at least one request): under load, a first step for every request would prefill every
+# prompt in the drafter at once.
+_EXPLORE_CATCH_UP_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -279,10 +283,17 @@ class StepPlanner:
         exploring = self.acceptance_models.global_trials()[0] < _EXPLORE_OBSERVATIONS
         if can_model:
             if exploring and not force_models:
-                # Every request the models can draft for gets at least one model token.
-                explore_lows = [max(lo, min(1, caps[r])) if r in can_model else lo
-                                for r, lo in enumerate(lows)]
-                model_plan = self._model_plan(requests, caps, explore_lows, can_model, free_plan)
+                # The requests cheapest to catch up with get at least one model token each.
+                chosen, budget = set(), _EXPLORE_CATCH_UP_TOKENS
+                for r in sorted(can_model, key=lambda r: _catch_up_total(requests[r])):
+                    if chosen and _catch_up_total(requests[r]) > budget:
+                        break
+                    chosen.add(r)
+                    budget -= _catch_up_total(requests[r])
+                explore_caps = [caps[r] if r in chosen else 0 for r in range(n)]
+                model_plan = self._model_plan(requests, explore_caps,
+                                              [min(1, c) for c in explore_caps], sorted(chosen),
+                                              free_plan)
                 model_plan.mode = "explore"
             else:
                 model_plan = self._model_plan(requests, caps, lows, can_model, free_plan)
@@ -290,8 +301,7 @@ class StepPlanner:
                     or model_plan.rate > free_plan.rate * (1.0 + _MIN_RELATIVE_GAIN)):
                 best = model_plan
             elif self.steps - self._last_models_step >= _PROBE_INTERVAL_STEPS:
-                cheapest = min(can_model, key=lambda r: sum(
-                    c for c in requests[r].catch_up if c is not None))
+                cheapest = min(can_model, key=lambda r: _catch_up_total(requests[r]))
                 probe_caps = [caps[r] if r == cheapest else 0 for r in range(n)]
                 best = self._model_plan(requests, probe_caps, [min(1, c) for c in probe_caps],
                                         [cheapest], free_plan)
@@ -499,6 +509,10 @@ class StepPlanner:
             "last_plan": {k: (round(v, 6) if isinstance(v, float) else v)
                           for k, v in self._last.items()},
         }
+
+
+def _catch_up_total(request: PlanRequest) -> int:
+    return sum(c for c in request.catch_up if c is not None)
 
 
 def _observed(outcome: DrafterOutcome) -> tuple[int, int]:

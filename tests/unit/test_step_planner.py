@@ -91,6 +91,19 @@ def test_models_explore_until_their_acceptance_is_measured_then_probe_now_and_th
     assert 2 <= probes <= 4 and set(modes) == {"free", "probe"}
 
 
+def test_exploration_drafts_for_the_requests_cheapest_to_catch_up_with():
+    planner = StepPlanner(K, num_model_drafters=1)
+    teach(planner, steps=0)
+    requests = [request(0, catch_up=400), request(1, catch_up=3), request(2, catch_up=300),
+                request(3, catch_up=5)]
+    plan = planner.plan(requests, K)
+    assert plan.mode == "explore"
+    assert sorted(plan.model_rows[0]) == [1, 2, 3]  # 3 + 5 + 300 tokens; 400 more is too many
+    # Under load, not every prompt at once: 512 catch-up tokens in all, at least one request.
+    plan = planner.plan([request(i, catch_up=900) for i in range(8)], K)
+    assert len(plan.model_rows[0]) == 1
+
+
 def test_a_long_catch_up_is_charged_over_the_requests_later_steps():
     assert _charged_catch_up(5, K, None) == 5  # a normal step's catch-up is charged in full
     assert _charged_catch_up(None, K, None) == 0
