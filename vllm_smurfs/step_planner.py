@@ -60,11 +60,20 @@ _BACKGROUND_SMOOTHING = 0.5
 # The proposer's own time per step (model-free drafting, voting, planning) is an exponential
 # average with this weight on the last step.
 _OVERHEAD_SMOOTHING = 0.2
-# A request's catch-up beyond this many tokens per lookahead token is an investment in its later
-# steps: spread over them (its remaining budget over a guess of tokens per step), at most this
-# many. (A drafter that followed every step catches up on accepted + 1 tokens.)
+# A request's catch-up beyond a normal step's (accepted + 1 tokens, for a drafter that followed
+# every step) is an investment in its later steps: spread over those the models are expected to
+# draft in (its remaining budget over a guess of tokens per step, at most this many, times the
+# share of requests the models drafted for in recent steps). Under load, where the models
+# seldom draft, a request's catch-up is then charged nearly in full; at batch 1, where they draft
+# in about half the steps, over about a quarter of the request. (Spreading it over every
+# remaining step, drafted in or not, ran 0.95x no speculation at 16 in flight, where the models
+# caught up with requests they then did not draft for.)
 _CATCH_UP_SPREAD_STEPS = 32
 _TOKENS_PER_STEP_GUESS = 2.0
+# Exponential average, per step, of the share of requests the models drafted for (the start:
+# an even chance).
+_MODEL_SHARE_SMOOTHING = 0.05
+_MODEL_SHARE_START = 0.5
 # A longer plan must beat the shorter by this relative margin (ties go to less work).
 _MIN_RELATIVE_GAIN = 1e-9
 # The model plan's acceptance is learnt only in steps the models draft: until it has this many
@@ -220,6 +229,7 @@ class StepPlanner:
         self.steps_with_models = 0
         self.probes = 0
         self._last_models_step = 0
+        self.model_share = _MODEL_SHARE_START  # recent share of requests the models drafted for
 
     # -- learning ------------------------------------------------------------------------------
     def observe_step(self, timing: StepTiming) -> None:
@@ -310,6 +320,8 @@ class StepPlanner:
         if best.models:
             self.steps_with_models += 1
             self._last_models_step = self.steps
+        drafted = len({r for rows in best.model_rows for r in rows})
+        self.model_share += _MODEL_SHARE_SMOOTHING * (drafted / n - self.model_share)
         self._planned_tokens = sum(1 + k for k in best.lookaheads)
         self._last = {"mode": best.mode, "rate": best.rate, "free_rate": free_plan.rate,
                       "expected_tokens": best.expected_tokens,
@@ -338,7 +350,7 @@ class StepPlanner:
         # What a request's first forward costs each drafter: its catch-up, spread over its
         # later steps beyond what a drafter that followed every step computes.
         charged = [[_charged_catch_up(r.catch_up[d] if d < len(r.catch_up) else None,
-                                      self.max_lookahead, r.remaining)
+                                      self.max_lookahead, r.remaining, self.model_share)
                     for d in range(len(self.drafters))] for r in requests]
 
         def drafting_s(num_rows: int, catch_up: list[float], max_k: int) -> float:
@@ -497,6 +509,7 @@ class StepPlanner:
             "steps": self.steps,
             "steps_with_models": self.steps_with_models,
             "probes": self.probes,
+            "model_share": round(self.model_share, 4),
             "acceptance_free": [round(p, 4) for p in self.acceptance_free.global_acceptance()],
             "acceptance_models": [round(p, 4)
                                   for p in self.acceptance_models.global_acceptance()],
@@ -529,9 +542,11 @@ def _cumulative(acceptance: list[float], cap: int) -> list[float]:
     return out
 
 
-def _charged_catch_up(tokens: int | None, max_lookahead: int, remaining: int | None) -> float:
+def _charged_catch_up(tokens: int | None, max_lookahead: int, remaining: int | None,
+                      model_share: float = 1.0) -> float:
     """Catch-up tokens charged to this step: all of a normal step's (up to a full accepted
-    lookahead and its bonus token), the rest spread over the request's later steps."""
+    lookahead and its bonus token), the rest spread over the request's later steps that the
+    models are expected to draft in (``model_share`` of them)."""
     if tokens is None:
         return 0.0
     normal = max_lookahead + 1
@@ -539,5 +554,6 @@ def _charged_catch_up(tokens: int | None, max_lookahead: int, remaining: int | N
         return float(tokens)
     steps = _CATCH_UP_SPREAD_STEPS
     if remaining is not None:
-        steps = max(1, min(steps, math.ceil(remaining / _TOKENS_PER_STEP_GUESS)))
+        steps = min(steps, math.ceil(remaining / _TOKENS_PER_STEP_GUESS))
+    steps = max(1.0, steps * model_share)
     return normal + (tokens - normal) / steps

@@ -110,6 +110,10 @@ def test_a_long_catch_up_is_charged_over_the_requests_later_steps():
     spread = _charged_catch_up(1007, K, remaining=2000)
     assert spread == pytest.approx(7 + 1000 / 32)
     assert _charged_catch_up(1007, K, remaining=1) == 1007  # one step left: all of it now
+    # Spread over the steps the models are expected to draft in: a quarter of them, 4x the charge.
+    assert _charged_catch_up(1007, K, remaining=2000, model_share=0.25) == pytest.approx(
+        7 + 1000 / 8)
+    assert _charged_catch_up(1007, K, remaining=2000, model_share=0.0) == 1007
     planner = StepPlanner(K, num_model_drafters=1)
     # A forward's cost grows with the tokens it computes (1000 tokens: 4 s).
     for tokens in (1, 2, 4, 8, 16, 64, 256, 1000):
