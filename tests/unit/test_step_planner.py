@@ -173,3 +173,13 @@ def test_min_lookahead_keeps_the_models_in_every_step_and_arguments_are_checked(
         StepPlanner(0, 1)
     with pytest.raises(ValueError, match="min_lookahead"):
         StepPlanner(4, 1, min_lookahead=5)
+
+
+def test_drafting_must_promise_a_margin_over_not_drafting():
+    planner = StepPlanner(K, num_model_drafters=0)
+    for tokens in range(1, 12):
+        for _ in range(3):
+            planner.target_cost.observe(tokens, 1.0)  # verification is free here
+    # One draft token worth 2% more tokens is not worth the prediction's error; 50% is.
+    assert planner._allocate([[0.02]], [0], lambda *_: 0.0)[0] == [0]
+    assert planner._allocate([[0.5]], [0], lambda *_: 0.0)[0] == [1]
