@@ -85,10 +85,13 @@ _DRAFT_MARGIN = 0.03
 # The model plan's acceptance is learnt only in steps the models draft: until it has this many
 # (decayed) observations at position 1 the models draft whenever they can (exploration), and
 # after this many steps without them they draft once for the request that costs them the least
-# catch-up (a probe), so a change of text or load is noticed. A probe at batch 1 costs one step's
-# drafting every 64 steps.
+# catch-up (a probe), so a change of text or load is noticed; at most 1% of the target's time
+# since they last drafted goes to a probe's predicted forwards (a probe at batch 1 costs about
+# one step's drafting every 64 steps; under load, a probe that would first catch up with a
+# whole prompt waits until the 1% covers it).
 _EXPLORE_OBSERVATIONS = 8.0
 _PROBE_INTERVAL_STEPS = 64
+_PROBE_BUDGET = 0.01
 # Exploration drafts for the requests whose catch-up is cheapest, this many catch-up tokens in
 # all (at least one request): under load, a first step for every request would prefill every
 # prompt in the drafter at once.
@@ -235,6 +238,8 @@ class StepPlanner:
         self.steps_with_models = 0
         self.probes = 0
         self._last_models_step = 0
+        self._elapsed_s = 0.0  # the target's step time observed so far
+        self._last_models_s = 0.0  # _elapsed_s when the models last drafted
         self.model_share = _MODEL_SHARE_START  # recent share of requests the models drafted for
 
     # -- learning ------------------------------------------------------------------------------
@@ -242,6 +247,7 @@ class StepPlanner:
         """The target's step (without the proposer's own time, which ``overhead_s`` carries:
         drafting with the model-free voters, voting, planning; not the drafter forwards)."""
         self.target_cost.observe(timing.num_tokens, timing.seconds)
+        self._elapsed_s += timing.seconds
         self._overhead_s += _OVERHEAD_SMOOTHING * (timing.overhead_s - self._overhead_s)
         if self._planned_tokens is not None:
             extra = max(0, timing.num_tokens - self._planned_tokens)
@@ -316,7 +322,8 @@ class StepPlanner:
             if (force_models or exploring
                     or model_plan.rate > free_plan.rate * (1.0 + _DRAFT_MARGIN)):
                 best = model_plan
-            elif self.steps - self._last_models_step >= _PROBE_INTERVAL_STEPS:
+            elif (self.steps - self._last_models_step >= _PROBE_INTERVAL_STEPS
+                  and self._probe_affordable(requests, can_model)):
                 cheapest = min(can_model, key=lambda r: _catch_up_total(requests[r]))
                 probe_caps = [caps[r] if r == cheapest else 0 for r in range(n)]
                 best = self._model_plan(requests, probe_caps, [min(1, c) for c in probe_caps],
@@ -326,6 +333,7 @@ class StepPlanner:
         if best.models:
             self.steps_with_models += 1
             self._last_models_step = self.steps
+            self._last_models_s = self._elapsed_s
         drafted = len({r for rows in best.model_rows for r in rows})
         self.model_share += _MODEL_SHARE_SMOOTHING * (drafted / n - self.model_share)
         self._planned_tokens = sum(1 + k for k in best.lookaheads)
@@ -335,6 +343,13 @@ class StepPlanner:
                       "model_rows": [len(rows) for rows in best.model_rows],
                       "background_tokens": self._background}
         return best
+
+    def _probe_affordable(self, requests: Sequence[PlanRequest], rows: list[int]) -> bool:
+        """Whether the cheapest probe's predicted forwards (its catch-up, one more token) fit in
+        _PROBE_BUDGET of the target's time since the models last drafted."""
+        cheapest = min(_catch_up_total(requests[r]) for r in rows)
+        cost = sum(state.pass_cost(cheapest) + state.pass_cost(1) for state in self.drafters)
+        return cost <= _PROBE_BUDGET * (self._elapsed_s - self._last_models_s)
 
     def _free_plan(self, requests: Sequence[PlanRequest], free_caps: list[int]) -> Plan:
         n = len(requests)
