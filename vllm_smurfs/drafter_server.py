@@ -5,7 +5,8 @@ Started by `multi_draft_worker.ModelDrafterClient` with ``python -m vllm_smurfs.
 connects back to the client over a local socket; messages are pickled tuples, token sequences are
 numpy int32 arrays:
 
-    -> ("track", [(req_id, context, max_lead), ...])
+    -> ("track", [(req_id, base, tokens, max_lead), ...])   context = the first ``base`` tokens of
+                                       the context last tracked for req_id, then ``tokens``
     -> ("forget", [req_id, ...])
     -> ("pause",)                      forget every request; each gets a "stop" record
     -> ("shutdown",)
@@ -34,6 +35,8 @@ Update records, applied by the client in order:
     (req_id, "extend", (start, tokens)) tokens appended at position ``start`` of the path
     (req_id, "resume", None)            drafting again from the end of the path
     (req_id, "stop", None)              not drafting (paused, no room, or the request failed)
+    (req_id, "resync", None)            a track built on a context this side no longer has (it
+                                        dropped the request): the client sends it whole next time
 
 (Side paths at the drafter's second choices, drafted while the target verifies, were tried and
 measured: each costs a re-prefill of the last block and shares the memory bandwidth the main paths
@@ -175,6 +178,17 @@ class PathDrafter:
         if not self._start(req_id, t):
             self.records.append((req_id, "stop", None))
 
+    def context_for(self, req_id: str, base: int, tokens: np.ndarray) -> np.ndarray | None:
+        """The context a track means: the first ``base`` tokens of the one tracked last for
+        ``req_id``, then ``tokens``; None if that context is gone (the request was dropped)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if base == 0:
+            return tokens
+        t = self.tracks.get(req_id)
+        if t is None or base > t.context_len:
+            return None
+        return np.concatenate([t.path[:base], tokens])
+
     def forget(self, req_id: str) -> None:
         t = self.tracks.pop(req_id, None)
         if t is not None:
@@ -252,17 +266,23 @@ def serve(conn: Any, drafter: PathDrafter, fault: _Fault) -> None:
             elif message[0] == "pause":
                 drafter.pause()
             elif message[0] == "track":
-                for req_id, context, max_lead in message[1]:
-                    drafter.track(req_id, np.asarray(context, dtype=np.int32), max_lead)
+                for req_id, base, tokens, max_lead in message[1]:
+                    context = drafter.context_for(req_id, base, tokens)
+                    if context is None:
+                        drafter.records.append((req_id, "resync", None))
+                    else:
+                        drafter.track(req_id, context, max_lead)
         timing = []
         if drafter.engine.busy():
             fault.before_step()
             try:
                 stepped = drafter.step()
             except Exception:  # noqa: BLE001 - a failed step costs speculation only
-                conn.send(("error", len(messages), traceback.format_exc()))
+                # Back to a known state on both sides: no request, no record of one.
                 for req_id in list(drafter.tracks):
                     drafter.forget(req_id)
+                drafter.take_records()
+                conn.send(("error", len(messages), traceback.format_exc()))
                 continue
             if stepped is not None:
                 timing.append(stepped)

@@ -15,17 +15,18 @@ stopped and left out for the rest of the run. Both show in the log and in `Draft
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from vllm_smurfs import cores
+from vllm_smurfs.channel import Channel
 from vllm_smurfs.config import ModelDrafterConfig, NgramDrafterConfig, SmurfsConfig
 from vllm_smurfs.cores import ElasticThreads
 from vllm_smurfs.model_free import NgramVoter
@@ -50,11 +52,20 @@ _INHERITED_ENV_TO_DROP = (
     "NUMBA_NUM_THREADS",
 )
 _INHERITED_ENV_PREFIXES_TO_DROP = ("KMP_", "OMP_", "GOMP_")
-# Messages a drafter may leave unacknowledged before it is not sent more: the server acknowledges
-# everything it took with each round (one engine step), and a step sends at most two, so a
-# healthy drafter stays at 1-2; the bound keeps a stalled one from filling its socket until
-# send() would block the target.
+# Messages a drafter may leave unacknowledged before it is not sent more tracks: the server
+# acknowledges everything it took with each round (one engine step), and a step sends at most
+# two, so a healthy drafter stays at 1-2. (Sends never block the target whatever the drafter
+# does: see `channel.Channel`; this bound keeps a drafter that is behind from being fed work it
+# cannot do.)
 MAX_MESSAGES_IN_FLIGHT = 4
+# Bytes the socket has not taken yet beyond which a message is not queued (a stalled drafter's
+# socket fills; tracks then skip it until it drains). Tracks send what changed of each request's
+# text, so a step's message is a few hundred bytes; a first track carries whole prompts.
+MAX_PENDING_BYTES = 4 << 20
+# A drafter whose engine step fails this many times in a row is left out, as a crash is; a
+# failure's traceback is logged once, later ones in a line at most once a minute.
+MAX_FAILED_STEPS_IN_A_ROW = 3
+_FAILURE_LOG_INTERVAL_S = 60.0
 # Polling granularity while a step waits for drafts (the wait ends as soon as they are there).
 _WAIT_SLICE_S = 0.005
 
@@ -78,17 +89,49 @@ class DrafterHealth:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
 class _Path:
-    """The client's copy of one request's path on one drafter."""
+    """The client's copy of one request's path on one drafter.
 
-    tokens: np.ndarray  # [num_tokens] int32
-    drafting: bool  # the drafter is extending it
+    Extended in place (a buffer that doubles: appending a token is O(1), not a copy of the path),
+    and compared with the request's text only where it has not been yet: the text only grows,
+    so a prefix found equal to it stays equal (``agreed``), and each check costs the tokens added
+    since the last one.
+    """
+
+    __slots__ = ("_buffer", "length", "drafting", "agreed")
+
+    def __init__(self, tokens: np.ndarray, drafting: bool) -> None:
+        self._buffer = np.array(tokens, dtype=np.int32)  # a copy: the path is ours to extend
+        self.length = len(self._buffer)
+        self.drafting = drafting  # the drafter is extending it
+        self.agreed = 0  # leading tokens known to equal the request's text
+
+    @property
+    def tokens(self) -> np.ndarray:  # [length] int32
+        return self._buffer[: self.length]
+
+    def append(self, tokens: np.ndarray) -> None:
+        end = self.length + len(tokens)
+        if end > len(self._buffer):
+            grown = np.empty(max(end, 2 * len(self._buffer)), dtype=np.int32)
+            grown[: self.length] = self._buffer[: self.length]
+            self._buffer = grown
+        self._buffer[self.length:end] = tokens
+        self.length = end
 
     def extends(self, context: np.ndarray) -> bool:
-        # A few microseconds for a 4k-token context: no need to remember what was compared.
+        """Whether the path starts with ``context``, the request's text now."""
         n = len(context)
-        return len(self.tokens) >= n and np.array_equal(self.tokens[:n], context)
+        if self.length < n:
+            return False
+        if self.agreed < n:
+            if not np.array_equal(self._buffer[self.agreed:n], context[self.agreed:]):
+                return False
+            self.agreed = n
+            return True
+        # Compared before; the last token still is (a guard for a context that is not this
+        # request's growing text, which costs nothing).
+        return n == 0 or self._buffer[n - 1] == context[n - 1]
 
 
 class ModelDrafterClient:
@@ -116,9 +159,15 @@ class ModelDrafterClient:
         self.num_threads = num_threads or spec.num_threads or 1
         self.hang_timeout_s = hang_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
+        self._channel: Channel | None = None
         self._listener: Listener | None = None
+        self._tmpdir: str | None = None
         self._paths: dict[str, _Path] = {}
+        # Per request, the context last sent (and how much of it is the request's text, which
+        # never changes): the next track sends what differs from it.
+        self._sent: dict[str, tuple[np.ndarray, int]] = {}
+        self._failed_in_a_row = 0
+        self._failure_logged_at = -_FAILURE_LOG_INTERVAL_S
         # Requests tracked and not forgotten since: a "reset" for any other is a late answer to
         # a track sent before the request was forgotten, and must not bring its path back.
         self._live: set[str] = set()
@@ -135,7 +184,8 @@ class ModelDrafterClient:
     def start(self) -> None:
         """Start the process (returns at once; `wait_ready` waits for the engine)."""
         authkey = secrets.token_bytes(16)
-        address = os.path.join(tempfile.mkdtemp(prefix="smurfs-"), "drafter.sock")
+        self._tmpdir = tempfile.mkdtemp(prefix="smurfs-")
+        address = os.path.join(self._tmpdir, "drafter.sock")
         self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
         env = _drafter_env(self.num_threads)
         env["SMURFS_DRAFTER_AUTHKEY"] = authkey.hex()
@@ -159,65 +209,110 @@ class ModelDrafterClient:
             acceptor.join(0.1)
         if not accepted:
             self._fail(f"drafter process did not connect (exit code {self._proc.poll()})")
+            self._close_listener()  # the acceptor thread's accept() ends with it
+            acceptor.join(1.0)
             return
-        self._conn = accepted[0]
-        while self._conn.poll(0.2) is False:
+        self._close_listener()  # connected: nothing else will
+        conn = accepted[0]
+        while conn.poll(0.2) is False:
             if self._proc.poll() is not None or time.monotonic() > deadline:
+                conn.close()
                 self._fail(f"drafter engine did not start (exit code {self._proc.poll()})")
                 return
-        message = self._conn.recv()
+        message = conn.recv()
         if message[0] != "ready":
+            conn.close()
             self._fail("drafter engine failed to start:\n" + str(message[-1]))
             return
+        # From here on nothing waits on the drafter: see channel.Channel.
+        self._channel = Channel(conn, MAX_PENDING_BYTES)
         self.health.extra.update(message[1])
         self._last_heard = time.monotonic()
         logger.info("Smurfs drafter %s ready: pid %s, cpus %s, %.1f s", self.name,
                     message[1]["pid"], message[1]["cpus"], message[1]["load_s"])
 
     def close(self) -> None:
+        """Shut the drafter down: its process, the socket, the listener, the socket's folder."""
         self._thaw()
-        if self._conn is not None:
+        if self._channel is not None:
             try:
-                self._conn.send(("shutdown",))
+                self._channel.send(("shutdown",))
+                self._channel.flush()
             except OSError:
                 pass
-            self._conn.close()
-            self._conn = None
-        if self._proc is not None and self._proc.poll() is None:
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+            self._channel.close()
+            self._channel = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                try:
+                    self._proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+        self._close_listener()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def _close_listener(self) -> None:
         if self._listener is not None:
-            self._listener.close()
+            try:
+                self._listener.close()
+            except OSError:
+                pass
             self._listener = None
 
     @property
     def alive(self) -> bool:
-        return self.health.alive and self._conn is not None
+        return self.health.alive and self._channel is not None
 
     # -- drafting -----------------------------------------------------------------------------
-    def track(self, items: Sequence[tuple[str, np.ndarray, int]]) -> bool:
-        """Tell the drafter each request's text: ``(req_id, context, max_lead)``.
+    def track(self, items: Sequence[tuple[str, np.ndarray, int, int]]) -> bool:
+        """Tell the drafter each request's text: ``(req_id, context, max_lead, text_len)``, the
+        context's first ``text_len`` tokens being the request's text (the rest: the chain the
+        target is verifying).
 
         It keeps (or restarts) its path for the request and drafts up to ``max_lead`` tokens past
-        ``context``. Returns False when nothing was sent (no items, dead, or behind).
+        ``context``. What travels is, per request, what differs from the context sent before:
+        ``(req_id, base, tokens, max_lead)``, the context being the first ``base`` tokens of the
+        last one followed by ``tokens``. Returns False when nothing was sent (no items, dead,
+        or behind).
         """
         if not self.alive or not items:
             return False
         self._thaw()
         if self._unacked >= MAX_MESSAGES_IN_FLIGHT:
-            # Behind (or hung): sending more would only fill the socket until send() blocks.
+            # Behind (or hung): it would only be given work it cannot do.
             self.health.steps_skipped_busy += 1
             self._check_hung()
             return False
-        batch = [(req_id, np.asarray(context, dtype=np.int32), max_lead)
-                 for req_id, context, max_lead in items if len(context) < self.max_model_len]
+        batch, sent_now = [], {}
+        for req_id, context, max_lead, text_len in items:
+            if len(context) >= self.max_model_len:
+                continue
+            context = np.asarray(context, dtype=np.int32)
+            base = self._common_prefix(req_id, context)
+            batch.append((req_id, base, context[base:], max_lead))
+            sent_now[req_id] = (context, text_len)
         sent = bool(batch) and self._send(("track", batch))
         if sent:
-            self._live.update(req_id for req_id, _, _ in batch)
+            self._live.update(sent_now)
+            self._sent.update(sent_now)
         self._tracking |= sent
         return sent
+
+    def _common_prefix(self, req_id: str, context: np.ndarray) -> int:
+        """Leading tokens ``context`` shares with the context last sent for ``req_id``: at least
+        that one's text (a request's text only grows), then the chain it carried, compared."""
+        last = self._sent.get(req_id)
+        if last is None:
+            return 0
+        previous, text_len = last
+        n = min(len(previous), len(context))
+        if text_len > n:
+            return 0  # not the same request's text (cannot happen for a live request)
+        differs = np.flatnonzero(previous[text_len:n] != context[text_len:n])
+        return text_len + (int(differs[0]) if len(differs) else n - text_len)
 
     def pause(self) -> None:
         """Stop drafting for every request until the next `track` (paths answer "stop"), and
@@ -227,6 +322,7 @@ class ModelDrafterClient:
         if self.alive and self._tracking:
             self._tracking = not self._send(("pause",))
             if not self._tracking:
+                self._sent.clear()  # the server drops every request it had
                 self._freeze()
 
     def resume(self) -> None:
@@ -290,15 +386,19 @@ class ModelDrafterClient:
         for req_id in req_ids:
             self._paths.pop(req_id, None)
             self._live.discard(req_id)
+            self._sent.pop(req_id, None)
         # A paused server has dropped every request already (and a stopped one must not be sent
         # a message per finished request).
         if self.alive and req_ids and self._tracking:
             self._send(("forget", list(req_ids)))
 
     def _send(self, message: tuple[Any, ...]) -> bool:
-        assert self._conn is not None
+        assert self._channel is not None
         try:
-            self._conn.send(message)
+            if not self._channel.send(message):
+                # The socket holds MAX_PENDING_BYTES the drafter has not read: it is behind.
+                self.health.steps_skipped_busy += 1
+                return False
         except OSError as exc:
             self._fail(f"send failed: {exc}")
             return False
@@ -321,21 +421,20 @@ class ModelDrafterClient:
         """Apply one message within ``timeout``; False if none came (or the drafter is gone)."""
         if not self.alive:
             return False
-        assert self._conn is not None
+        assert self._channel is not None
         try:
-            if not self._conn.poll(timeout):
-                return False
-            message = self._conn.recv()
+            message = self._channel.receive(timeout)
         except (EOFError, OSError) as exc:
             self._fail(f"connection lost: {exc!r}")
+            return False
+        if message is None:
             return False
         self._last_heard = time.monotonic()
         self._unacked = max(0, self._unacked - message[1])
         if message[0] == "error":
-            self.health.last_error = message[2]
-            logger.warning("Smurfs drafter %s failed a step:\n%s", self.name, message[2])
-            self._paths.clear()  # the server dropped its requests; the next steps start again
+            self._step_failed(message[2])
             return True
+        self._failed_in_a_row = 0
         self.health.steps_answered += 1
         for num_reqs, seconds, started in message[3]:
             if self._was_stopped_during(started, seconds):
@@ -346,18 +445,42 @@ class ModelDrafterClient:
             self._apply(req_id, kind, payload)
         return True
 
+    def _step_failed(self, error: str) -> None:
+        """The drafter's engine step failed: it dropped every request (and so does this side:
+        nothing sent before can come back), and after MAX_FAILED_STEPS_IN_A_ROW it is out."""
+        self._failed_in_a_row += 1
+        self.health.last_error = error
+        self._paths.clear()
+        self._live.clear()
+        self._sent.clear()
+        if self._failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            last_line = error.strip().splitlines()[-1] if error.strip() else error
+            self._fail(f"{self._failed_in_a_row} engine steps failed in a row: {last_line}")
+            return
+        now = time.monotonic()
+        if self._failed_in_a_row == 1 and now - self._failure_logged_at >= _FAILURE_LOG_INTERVAL_S:
+            self._failure_logged_at = now
+            logger.warning("Smurfs drafter %s failed a step (its requests start again):\n%s",
+                           self.name, error)
+
     def _apply(self, req_id: str, kind: str, payload: Any) -> None:
         if kind == "reset":
             if req_id in self._live:
                 self._paths[req_id] = _Path(payload, drafting=True)
+            return
+        if kind == "resync":
+            # The drafter did not have the context a track built on (it had dropped the
+            # request): the next track sends the whole context.
+            self._sent.pop(req_id, None)
+            self._paths.pop(req_id, None)
             return
         path = self._paths.get(req_id)
         if path is None:
             return  # forgotten meanwhile
         if kind == "extend":
             start, tokens = payload
-            if start == len(path.tokens):
-                path.tokens = np.concatenate([path.tokens, tokens])
+            if start == path.length:
+                path.append(tokens)
         elif kind in ("resume", "stop"):
             path.drafting = kind == "resume"
 
@@ -368,8 +491,13 @@ class ModelDrafterClient:
         self.health.alive = False
         self.health.last_error = reason
         self._paths.clear()
+        self._sent.clear()
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 class ModelFreeDrafter:
@@ -457,7 +585,9 @@ class MultiDraftWorker:
         """Start all model drafters at once and wait until each is ready or left out."""
         for drafter in self.model_drafters:
             drafter.start()
-        atexit.register(self.close)
+        # Closed when this runtime goes (the engine shut down and let its runner go) or at exit,
+        # whichever comes first; the finalizer holds the drafters, not the runtime.
+        self._finalizer = weakref.finalize(self, _close_all, self.elastic, self.model_drafters)
         deadline = time.monotonic() + timeout_s
         for drafter in self.model_drafters:
             drafter.wait_ready(max(1.0, deadline - time.monotonic()))
@@ -547,10 +677,10 @@ class MultiDraftWorker:
               max_lead: Sequence[int]) -> None:
         """Tell the model drafters each request's text continues with ``chains`` (the voted
         drafts now being verified): they draft on past them, up to ``max_lead`` tokens."""
+        items = [(r.req_id, np.concatenate([r.context, np.asarray(chain, r.context.dtype)]),
+                  lead, len(r.context)) for r, chain, lead in zip(requests, chains, max_lead)]
         for drafter in self.model_drafters:
-            drafter.track([
-                (r.req_id, np.concatenate([r.context, np.asarray(chain, r.context.dtype)]), lead)
-                for r, chain, lead in zip(requests, chains, max_lead)])
+            drafter.track(items)
 
     def step_timings(self) -> list[tuple[int, float]]:
         """(num_reqs, seconds) of every model drafter's engine steps since the last call."""
@@ -570,9 +700,17 @@ class MultiDraftWorker:
         return [d.health for d in self.drafters]
 
     def close(self) -> None:
-        self.elastic.close()
-        for drafter in self.model_drafters:
-            drafter.close()
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            _close_all(self.elastic, self.model_drafters)
+
+
+def _close_all(elastic: ElasticThreads, drafters: Sequence[ModelDrafterClient]) -> None:
+    elastic.close()
+    for drafter in drafters:
+        drafter.close()
 
 
 def _allowed_cpus() -> list[int]:

@@ -10,6 +10,7 @@ from multiprocessing import Pipe
 import numpy as np
 import pytest
 
+from vllm_smurfs.channel import Channel, frame
 from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
 from vllm_smurfs.drafter_server import PathDrafter
 from vllm_smurfs.multi_draft_worker import (
@@ -121,12 +122,13 @@ def test_pause_stops_every_request_and_says_so(drafter):
 # -- the client -------------------------------------------------------------------------------
 @pytest.fixture
 def client_and_server():
-    client = ModelDrafterClient(ModelDrafterConfig(model="/m", name="m"), dtype="float32",
-                                max_model_len=64, max_num_seqs=4, trust_remote_code=False,
-                                hang_timeout_s=0.2)
-    client._conn, server = Pipe()
+    client = ModelDrafterClient(ModelDrafterConfig(model="/m", name="m", placement="process"),
+                                dtype="float32", max_model_len=64, max_num_seqs=4,
+                                trust_remote_code=False, hang_timeout_s=0.2)
+    conn, server = Pipe()
+    client._channel = Channel(conn)
     yield client, server
-    client._conn = None  # nothing to shut down: there is no process
+    client._channel = None  # nothing to shut down: there is no process
 
 
 def taken(server):
@@ -138,7 +140,7 @@ def taken(server):
 
 def test_client_mirrors_the_path_and_serves_contexts_it_extends(client_and_server):
     client, server = client_and_server
-    assert client.track([("r", ctx(1, 2), 4)])
+    assert client.track([("r", ctx(1, 2), 4, 2)])
     (message,) = taken(server)
     assert message[0] == "track" and message[1][0][0] == "r"
     assert client.is_drafting("r", ctx(1, 2))  # not acknowledged yet: a draft may come
@@ -158,7 +160,7 @@ def test_client_mirrors_the_path_and_serves_contexts_it_extends(client_and_serve
 
 def test_forget_drops_paths_and_tells_the_server(client_and_server):
     client, server = client_and_server
-    client.track([("r", ctx(1), 4)])
+    client.track([("r", ctx(1), 4, 1)])
     server.send(("update", 1, [("r", "reset", ctx(1)), ("r", "extend", (1, ctx(2, 3)))], []))
     client.poll(1.0)
     assert client.draft_for("r", ctx(1), 2) == [2, 3]
@@ -171,7 +173,7 @@ def test_pause_is_sent_once_after_tracking_and_stops_the_client_waiting(client_a
     client, server = client_and_server
     client.pause()
     assert taken(server) == []  # nothing tracked: nothing to pause
-    client.track([("r", ctx(1), 4)])
+    client.track([("r", ctx(1), 4, 1)])
     client.pause()
     client.pause()
     assert [m[0] for m in taken(server)] == ["track", "pause"]
@@ -186,18 +188,18 @@ def test_pause_is_sent_once_after_tracking_and_stops_the_client_waiting(client_a
 def test_a_silent_drafter_is_skipped_then_left_out(client_and_server):
     client, _ = client_and_server
     for i in range(MAX_MESSAGES_IN_FLIGHT):
-        assert client.track([(f"r{i}", ctx(1, i), 2)])
-    assert not client.track([("r", ctx(2), 2)])  # too much unanswered: not sent
+        assert client.track([(f"r{i}", ctx(1, i), 2, 2)])
+    assert not client.track([("r", ctx(2), 2, 1)])  # too much unanswered: not sent
     assert client.health.steps_skipped_busy == 1 and client.health.alive
     time.sleep(0.25)  # past hang_timeout_s, with answers owed
     client.poll()
     assert not client.health.alive and "no answer" in client.health.last_error
-    assert not client.track([("r", ctx(3), 2)])
+    assert not client.track([("r", ctx(3), 2, 1)])
 
 
 def test_an_idle_drafter_is_never_declared_hung(client_and_server):
     client, server = client_and_server
-    client.track([("r", ctx(1), 2)])
+    client.track([("r", ctx(1), 2, 1)])
     server.send(("update", 1, [("r", "reset", ctx(1)), ("r", "stop", None)], []))
     client.poll(1.0)
     time.sleep(0.25)  # silent, but it owes nothing
@@ -207,7 +209,7 @@ def test_an_idle_drafter_is_never_declared_hung(client_and_server):
 
 def test_a_closed_connection_leaves_the_drafter_out(client_and_server):
     client, server = client_and_server
-    client.track([("r", ctx(1), 2)])
+    client.track([("r", ctx(1), 2, 1)])
     server.close()
     client.poll(0.5)
     assert not client.health.alive and "connection lost" in client.health.last_error
@@ -230,7 +232,7 @@ def test_a_late_reset_for_a_forgotten_request_does_not_bring_it_back(client_and_
     # the client. The late reset must not leave a path that looks drafting forever: after an
     # idle gap (a quiet server) that looked like a drafter owing tokens and silent, i.e. hung.
     client, server = client_and_server
-    client.track([("r", ctx(1, 2), 4)])
+    client.track([("r", ctx(1, 2), 4, 2)])
     client.forget(["r"])
     assert [m[0] for m in taken(server)] == ["track", "forget"]
     server.send(("update", 1, [("r", "reset", ctx(1, 2))], []))
@@ -240,7 +242,7 @@ def test_a_late_reset_for_a_forgotten_request_does_not_bring_it_back(client_and_
     time.sleep(0.25)  # silent past hang_timeout_s, owing nothing
     client.poll()
     assert client.health.alive
-    client.track([("r", ctx(1, 2), 4)])  # the same id tracked again is served again
+    client.track([("r", ctx(1, 2), 4, 2)])  # the same id tracked again is served again
     server.send(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
     client.poll(1.0)
     assert client.draft_for("r", ctx(1, 2), 4) == [3]
@@ -266,7 +268,7 @@ def test_a_paused_drafter_is_stopped_until_it_drafts_again(client_and_server):
     client, server = client_and_server
     client._proc = subprocess.Popen(["sleep", "60"])
     try:
-        client.track([("r", ctx(1), 4)])
+        client.track([("r", ctx(1), 4, 1)])
         client.pause()
         assert _state(client._proc.pid, "T") == "T"
         client.forget(["r"])  # a paused server has dropped it already: nothing sent
@@ -285,11 +287,118 @@ def test_a_paused_drafter_is_stopped_until_it_drafts_again(client_and_server):
         assert client.step_timings == [(1, 0.02)]
         client.pause()  # nothing tracked since: nothing to pause, and it keeps running
         assert _state(client._proc.pid, "SR") in "SR"
-        client.track([("s", ctx(2), 4)])
+        client.track([("s", ctx(2), 4, 1)])
         client.pause()
-        client.track([("s", ctx(2, 3), 4)])  # tracking again lets it run
+        client.track([("s", ctx(2, 3), 4, 2)])  # tracking again lets it run
         assert _state(client._proc.pid, "SR") in "SR"
     finally:
         client._proc.kill()
         client._proc.wait()
         client._proc = None
+
+
+# -- the protocol never blocks the target -----------------------------------------------------
+def test_half_a_message_never_blocks_a_read(client_and_server):
+    # A drafter stopped (SIGSTOP) in the middle of a send leaves half a message in the socket.
+    client, server = client_and_server
+    client.track([("r", ctx(1, 2), 4, 2)])
+    data = frame(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
+    server_socket = __import__("socket").socket(fileno=__import__("os").dup(server.fileno()))
+    server_socket.sendall(data[:7])
+    started = time.monotonic()
+    assert client.poll(0.05) is False  # nothing whole yet, and no wait past the timeout
+    assert time.monotonic() - started < 1.0
+    assert client.draft_for("r", ctx(1, 2), 4) == []
+    server_socket.sendall(data[7:])  # it runs again: the rest arrives
+    assert client.poll(1.0)
+    assert client.draft_for("r", ctx(1, 2), 4) == [3]
+    server_socket.close()
+
+
+def test_sends_never_block_and_stop_at_the_byte_bound(client_and_server, monkeypatch):
+    # A drafter that stops reading: its socket fills; no send waits, and beyond the bound the
+    # messages are refused (counted as skipped), pause and forget included.
+    import vllm_smurfs.multi_draft_worker as mdw
+
+    client, _server = client_and_server
+    client._channel.max_pending_bytes = 1 << 18
+    monkeypatch.setattr(mdw, "MAX_MESSAGES_IN_FLIGHT", 10**6)
+    big = np.arange(60, dtype=np.int32)
+    started = time.monotonic()
+    results = [client.track([(f"r{i}", big, 2, 60)]) for i in range(20000)]
+    client.forget([f"r{i}" for i in range(1000)])
+    client.pause()
+    assert time.monotonic() - started < 20.0  # ~ms each; a blocking send would hang here
+    assert results[0] and not results[-1]
+    assert client.health.steps_skipped_busy > 0 and client.health.alive
+    assert client._channel.pending_bytes <= client._channel.max_pending_bytes
+
+
+def test_tracks_send_what_changed_and_the_drafter_rebuilds_the_context(client_and_server):
+    client, server = client_and_server
+    text = np.arange(40, dtype=np.int32)
+    assert client.track([("r", np.concatenate([text, ctx(7, 8)]), 4, 40)])
+    (message,) = taken(server)
+    ((req_id, base, tokens, lead),) = message[1]
+    assert (req_id, base, len(tokens), lead) == ("r", 0, 42, 4)  # first time: all of it
+    drafter = PathDrafter(ScriptedEngine(), max_model_len=1000)
+    drafter.track("r", drafter.context_for("r", base, tokens), lead)
+    # The target accepted 7, then produced 5: the text is 42 tokens; the new chain is 6 9.
+    new = np.concatenate([text, ctx(7, 5, 6, 9)])
+    assert client.track([("r", new, 4, 42)])
+    (message,) = taken(server)
+    ((_, base, tokens, _),) = message[1]
+    assert base == 41 and tokens.tolist() == [5, 6, 9]  # only what differs travels
+    assert drafter.context_for("r", base, tokens).tolist() == new.tolist()
+    # A drafter that dropped the request cannot rebuild it: it asks for the whole context.
+    drafter.forget("r")
+    assert drafter.context_for("r", base, tokens) is None
+    server.send(("update", 2, [("r", "resync", None)], []))
+    client.poll(1.0)
+    assert client.track([("r", new, 4, 42)])
+    (message,) = taken(server)
+    assert message[1][0][1] == 0 and len(message[1][0][2]) == 44
+
+
+def test_a_failed_step_resets_both_sides_and_three_in_a_row_leave_the_drafter_out(
+        client_and_server, monkeypatch):
+    client, server = client_and_server
+    client.track([("r", ctx(1, 2), 4, 2)])
+    server.send(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
+    client.poll(1.0)
+    assert client.draft_for("r", ctx(1, 2), 4) == [3]
+    # Counted at the call (the test session's logging config may hand a record to two handlers).
+    import vllm_smurfs.multi_draft_worker as mdw
+
+    warned: list[str] = []
+    monkeypatch.setattr(mdw.logger, "warning", lambda msg, *args: warned.append(msg % args))
+    server.send(("error", 0, "Traceback ...\nRuntimeError: boom"))
+    client.poll(1.0)
+    # Known state: no path, no request it would accept a late reset for, whole contexts next.
+    assert client.draft_for("r", ctx(1, 2), 4) == [] and not client.is_drafting("r", ctx(1, 2))
+    server.send(("update", 0, [("r", "reset", ctx(1, 2))], []))  # late: ignored
+    client.poll(1.0)
+    assert client.draft_for("r", ctx(1, 2), 4) == [] and client.health.alive
+    client.track([("r", ctx(1, 2, 3), 4, 3)])
+    assert taken(server)[-1][1][0][1] == 0
+    for owed in (1, 0, 0):  # three failed steps in a row (the update above broke the first run)
+        server.send(("error", owed, "RuntimeError: boom"))
+    client.poll(1.0)
+    assert not client.health.alive and "3 engine steps failed in a row" in client.health.last_error
+    # One traceback in the log for the repeated failure, then the line that leaves it out.
+    assert len([w for w in warned if "failed a step" in w]) == 1
+
+
+def test_a_path_is_compared_with_the_text_only_where_it_grew():
+    from vllm_smurfs.multi_draft_worker import _Path
+
+    path = _Path(np.arange(10, dtype=np.int32), drafting=True)
+    for token in range(10, 1000):
+        path.append(np.array([token], dtype=np.int32))
+    text = np.arange(900, dtype=np.int32)
+    assert path.extends(text) and path.agreed == 900
+    assert path.extends(np.arange(950, dtype=np.int32)) and path.agreed == 950
+    wrong = np.arange(960, dtype=np.int32)
+    wrong[955] = -1
+    assert not path.extends(wrong) and path.agreed == 950
+    assert path.tokens.tolist() == list(range(1000)) and len(path._buffer) < 4000
