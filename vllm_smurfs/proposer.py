@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -214,6 +215,7 @@ class SmurfsProposer:
             # Line-buffered: a trace of a run that is killed keeps every step it finished.
             path = self.config.trace_file
             self._trace = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+            weakref.finalize(self, self._trace.close)  # when the engine lets the proposer go
         self._last_req_ids: frozenset[str] = frozenset()
         # Consecutive steps with model drafting, up to now (0: the last step had none, and the
         # first step that gives them work makes the target lend them its shared cores).
