@@ -1,6 +1,7 @@
 """Each configuration mistake gets a message naming the setting and what was expected."""
 
 import json
+import os
 
 import pytest
 from vllm.engine.arg_utils import EngineArgs
@@ -57,6 +58,26 @@ def test_config_error_messages(family, make_spec, expected):
         engine_config(family.target, make_spec(family))
 
 
+def test_async_scheduling_is_refused_naming_the_setting(family):
+    with pytest.raises(ValueError, match=r"async_scheduling \(--async-scheduling\): "
+                                         r"speculative_config method 'smurfs' needs"):
+        EngineArgs(model=family.target, dtype="float32", max_model_len=256,
+                   async_scheduling=True,
+                   speculative_config=smurfs([{"model": family.drafts[0]}])
+                   ).create_engine_config()
+
+
+def test_the_target_gets_every_core_unless_a_placement_is_set(family, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    engine_config(family.target, smurfs([{"model": family.drafts[0]}]))
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"  # vLLM's auto binding: all cores
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # the user's choice stands
+    engine_config(family.target, smurfs([{"model": family.drafts[0]}]))
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ
+
+
 def test_drafter_with_other_vocabulary_is_refused(family, tmp_path):
     other = tmp_path / "other-vocab"
     other.mkdir()
@@ -89,3 +110,79 @@ def test_cli_value_is_a_path_or_inline_json(tmp_path):
     assert parse_speculative_config(json.dumps(spec)) == spec
     with pytest.raises(Exception, match="expected inline JSON or the path of a JSON file"):
         parse_speculative_config(str(tmp_path / "missing.json"))
+
+
+# -- the same mistakes through the other entry points -----------------------------------------
+def _session_processes(sid: int) -> list[int]:
+    """Processes still in session ``sid`` (a command started in a session of its own)."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # fields after the name: state, ppid, pgrp, session
+            left.append(int(pid))
+    return left
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("malformed-file", r"--speculative-config: expected inline JSON or the path of a JSON "
+                           r"file; could not parse file '.*bad\.json'"),
+        ("inline-unknown-key", r"speculative_config\.drafter: unknown key"),
+        ("file-missing-model", r"drafters\[0\]\.model: path '/no/such/model' does not exist"),
+        ("file-wrong-type", r"num_speculative_tokens: Input should be a valid integer"),
+        ("file-too-many-tokens", r"num_speculative_tokens: Input should be less than or equal"),
+    ],
+)
+def test_vllm_serve_refuses_a_bad_config_naming_the_key_and_leaves_nothing(family, tmp_path,
+                                                                           value, expected):
+    import re
+    import subprocess
+
+    from serving import vllm_command
+
+    configs = {
+        "inline-unknown-key": json.dumps(smurfs([{"model": family.drafts[0]}], drafter="x")),
+        "file-missing-model": smurfs([{"model": "/no/such/model"}]),
+        "file-wrong-type": smurfs([{"model": family.drafts[0]}], num_speculative_tokens="four"),
+        "file-too-many-tokens": smurfs([{"model": family.drafts[0]}],
+                                       num_speculative_tokens=1000),
+    }
+    path = tmp_path / "bad.json"
+    if value == "malformed-file":
+        path.write_text('{"method": "smurfs", "drafters": [')
+        argument = str(path)
+    elif value.startswith("inline"):
+        argument = configs[value]
+    else:
+        path.write_text(json.dumps(configs[value]))
+        argument = str(path)
+    proc = subprocess.Popen(
+        vllm_command() + ["serve", family.target, "--speculative-config", argument,
+                          "--dtype", "float32", "--max-model-len", "256",
+                          "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, output[-3000:]
+    assert re.search(expected, output), output[-3000:]
+    assert _session_processes(proc.pid) == []
+
+
+def test_llm_refuses_bad_configs_naming_the_key(family):
+    from vllm import LLM
+
+    for spec, expected in [
+        (smurfs([{"model": family.drafts[0]}], drafter="x"),
+         r"speculative_config\.drafter: unknown key"),
+        (smurfs([{"model": family.drafts[0]}], num_speculative_tokens=1000),
+         r"num_speculative_tokens: Input should be less than or equal to 16"),
+        (smurfs([{"model": family.drafts[0], "placement": 3}]),
+         r"drafters\[0\]\.placement: Input should be 'worker' or 'process'"),
+    ]:
+        with pytest.raises(ValueError, match=expected):
+            LLM(model=family.target, dtype="float32", max_model_len=256,
+                speculative_config=spec)

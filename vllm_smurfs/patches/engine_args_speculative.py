@@ -30,6 +30,13 @@ def translate(engine_args: Any, target_model_config: Any) -> None:
     if not isinstance(spec, dict) or spec.get("method") != "smurfs":
         return
     smurfs = SmurfsConfig.from_user_dict({k.replace("-", "_"): v for k, v in spec.items()})
+    if getattr(engine_args, "async_scheduling", None):
+        # vLLM would refuse it for any custom proposer, without saying why; say it here.
+        raise ValueError(
+            "async_scheduling (--async-scheduling): speculative_config method 'smurfs' needs "
+            "the tokens each step sampled before it drafts the next (it scores every drafter "
+            "against them); async scheduling hands the proposer placeholders instead. Leave "
+            "async_scheduling unset or false.")
     smurfs.check_against_target(
         target_model_config.model,
         target_model_config.get_vocab_size(),
