@@ -39,6 +39,7 @@ class Job:
     # step arrive_at[i] (default 0), and is aborted once its output has abort_after[i] tokens.
     arrive_at: dict[int, int] = field(default_factory=dict)
     abort_after: dict[int, int] = field(default_factory=dict)
+    one_at_a_time: bool = False  # batch 1: each prompt generated alone, in order
 
     def __post_init__(self) -> None:
         # JSON (the job travels to its process as JSON) turns integer keys into strings.
@@ -148,6 +149,10 @@ def _execute(job: Job) -> Result:
     aborted: list[int] = []
     if job.arrive_at or job.abort_after:
         token_ids, texts, aborted = _drive(llm, job, prompts, params)
+    elif job.one_at_a_time:
+        outputs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        texts = [o.outputs[0].text for o in outputs]
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]

@@ -83,6 +83,28 @@ def test_the_default_config_switches_model_drafting_mid_request_and_stays_lossle
     assert switched, f"no request had the models switched off and on again: {modes}"
 
 
+def test_the_default_config_at_batch_1_is_lossless(family, greedy_runs):
+    reference = greedy_runs("none")
+    smurfs = run(default_config(family), target=family.target, one_at_a_time=True)
+    assert smurfs.num_drafts > 0 and smurfs.smurfs_stats["drafter_forwards"] > 0
+    assert divergences(reference.token_ids, smurfs.token_ids) == {}
+
+
+def test_the_default_config_with_16_requests_some_past_a_drafters_context_is_lossless(family):
+    # 16 requests of mixed lengths at once; one drafter's context limit (64 tokens) is below
+    # the longer ones', which it stops drafting for while the others go on.
+    prompts = list(TINY_PROMPTS) * 2
+    max_tokens = [8, 120, 16, 90, 3, 48, 150, 32, 70, 5, 100, 20, 60, 130, 40, 11]
+    spec = default_config(family)
+    spec["drafters"][0] = {"model": family.drafts[0], "max_model_len": 64}
+    common = dict(target=family.target, prompts=prompts, max_tokens=max_tokens)
+    reference = run(None, **common)
+    smurfs = run(spec, **common)
+    assert max(len(p.split()) + m for p, m in zip(prompts, max_tokens)) > 64
+    assert smurfs.num_drafts > 0 and smurfs.smurfs_stats["drafter_forwards"] > 0
+    assert divergences(reference.token_ids, smurfs.token_ids) == {}
+
+
 @pytest.mark.parametrize("placement", ["worker", "process"])
 def test_preemption_chunked_prefill_and_requests_joining_stay_lossless(family, placement):
     prompts = [LONG_PROMPT] + list(TINY_PROMPTS)
