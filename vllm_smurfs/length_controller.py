@@ -483,6 +483,9 @@ _DEFAULT_COST_WINDOW = 16
 # rest (with 20% step-time noise this recovers 7% of throughput at 16 requests in the
 # simulator). Noiseless measurements are not changed.
 _MEDIAN_STANDARD_ERROR = 1.2533
+# The pooled noise is recomputed every this many observations (it sorts every bucket's
+# deviations: the only part of a step's update that grows with the number of buckets).
+_NOISE_REFRESH = 16
 
 
 def _bucket(num_tokens: int) -> int:
@@ -542,6 +545,12 @@ class StepCostModel:
             raise ValueError(f"window must be >= 1 or None, got {window}")
         self.window = window
         self._buckets: dict[int, deque[tuple[int, float]]] = {}
+        self._order: list[int] = []  # bucket keys, sorted
+        # Per bucket: (mean token count, median seconds, count, relative deviations from the
+        # median); only the bucket a step lands in is recomputed (a step costs O(window), not
+        # O(every bucket)).
+        self._stats: dict[int, tuple[float, float, float, list[float]]] = {}
+        self._noise_due = 0  # observations since the pooled noise was last computed
         self._knots: list[tuple[float, float]] | None = None
         self._xs: list[float] = []
         self._ys: list[float] = []
@@ -557,26 +566,29 @@ class StepCostModel:
         q = self._buckets.get(b)
         if q is None:
             q = self._buckets[b] = deque(maxlen=self.window)
+            bisect.insort(self._order, b)
         q.append((num_tokens, seconds))
+        med = _median([s for _, s in q])
+        devs = [abs(s / med - 1.0) for _, s in q] if len(q) >= 2 and med > 0 else []
+        self._stats[b] = (sum(n for n, _ in q) / len(q), med, float(len(q)), devs)
         self.num_observations += 1
+        self._noise_due += 1
         self._knots = None
 
     def knots(self) -> list[tuple[float, float]]:
         """The fitted curve's knots ``(num_tokens, seconds)``, increasing in both coordinates."""
         if self._knots is None:
-            xs, ys, ws, devs = [], [], [], []
-            for b in sorted(self._buckets):
-                q = self._buckets[b]
-                med = _median([s for _, s in q])
-                xs.append(sum(n for n, _ in q) / len(q))
-                ys.append(med)
-                ws.append(float(len(q)))
-                if len(q) >= 2 and med > 0:
-                    devs.extend(abs(s / med - 1.0) for _, s in q)
-            # Robust (MAD) relative noise of a step's time, pooled over the buckets.
-            self._noise = 1.4826 * _median(devs) if devs else 0.0
+            stats = [self._stats[b] for b in self._order]
+            if self._noise_due >= _NOISE_REFRESH or self._noise_due >= self.num_observations:
+                # Robust (MAD) relative noise of a step's time, pooled over the buckets: it moves
+                # slowly, so it is pooled again every _NOISE_REFRESH steps, not every step.
+                devs = [d for *_, ds in stats for d in ds]
+                self._noise = 1.4826 * _median(devs) if devs else 0.0
+                self._noise_due = 0
+            xs = [x for x, _, _, _ in stats]
+            ws = [w for _, _, w, _ in stats]
             ys = [y * max(0.0, 1.0 - _MEDIAN_STANDARD_ERROR * self._noise / math.sqrt(w))
-                  for y, w in zip(ys, ws, strict=True)]
+                  for _, y, w, _ in stats]
             self._knots = list(zip(xs, _pava(ys, ws), strict=True))
             self._xs = [x for x, _ in self._knots]
             self._ys = [y for _, y in self._knots]
@@ -588,7 +600,8 @@ class StepCostModel:
 
     @property
     def noise(self) -> float:
-        """Relative noise of step times (robust standard deviation), pooled over buckets."""
+        """Relative noise of step times (robust standard deviation), pooled over buckets (as of
+        at most _NOISE_REFRESH observations ago)."""
         self.knots()
         return self._noise
 
@@ -648,6 +661,8 @@ _MIN_RELATIVE_NOISE = 1e-3
 # degenerate data (every call with the same P and R) solvable; it then spreads the cost over the
 # features in proportion to their size, which predicts the observed calls exactly.
 _RIDGE = 1e-9
+# The line is refitted every this many calls once it has as many (see DraftCostModel.observe).
+_REFIT_EVERY = 8
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -705,6 +720,7 @@ class DraftCostModel:
             raise ValueError(f"window must be >= 1 or None, got {window}")
         self._obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._coef: list[float] | None = None
+        self._fitted_at = 0  # num_observations when the coefficients were last fitted
         self.num_observations = 0
 
     def observe(self, num_positions: int, num_reqs: int, seconds: float) -> None:
@@ -715,7 +731,11 @@ class DraftCostModel:
             )
         self._obs.append((num_positions, num_reqs, seconds))
         self.num_observations += 1
-        self._coef = None
+        # Refitted after the first observations, then every _REFIT_EVERY: a streaming drafter
+        # reports every engine step, and one more of 64 calls barely moves the line.
+        if (self.num_observations <= _REFIT_EVERY
+                or self.num_observations - self._fitted_at >= _REFIT_EVERY):
+            self._coef = None
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -739,6 +759,7 @@ class DraftCostModel:
                 if 0 < len(keep) < len(rows):
                     coef = _nnls([rows[i] for i in keep], [ys[i] for i in keep])
                 self._coef = coef
+                self._fitted_at = self.num_observations
         c0, c1, c2 = self._coef
         return c0, c1, c2
 
