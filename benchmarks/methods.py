@@ -11,9 +11,9 @@ VARIANT (any method but `none`) names a JSON object given by `--variant NAME=JSO
 added or replaced), so that several variants of a method run side by side in one run.
 PLACEMENT says how many compute threads the target gets, on which cores (the first N cores this
 process may use); `auto` leaves vLLM's own choice. By default every method's target gets all
-cores; Smurfs' model drafters then borrow the target's last core while they draft (pipelined) or
-take turns with it on all cores (synchronous), see `vllm_smurfs.cores`. `smurfs:K@1thread` on 2
-cores gives the drafters a core of their own instead.
+cores; Smurfs' model drafters then run in the target's worker, on its threads (the default
+placement). `smurfs:K@1thread` on 2 cores gives them a core of their own instead, as drafter
+processes (`"placement": "process"`).
 """
 
 from __future__ import annotations
@@ -207,10 +207,10 @@ def _base_config(spec: MethodSpec, settings: MethodSettings,
         return {"method": "draft_model", "model": settings.drafts[0],
                 "num_speculative_tokens": spec.k}
     spare = spec.placement.spare_cpus(cpus)
-    # Drafters on the cores the target leaves free, one thread each; without a free core the
-    # plugin places them: a pipelined drafter borrows the target's last core only while it
-    # drafts, a synchronous one takes turns with the target on all its cores and threads.
-    drafter_extra: dict[str, Any] = {"num_threads": 1, "cpus": spare} if spare else {}
+    # Drafters in the target's worker, on its threads (the default placement); where the target
+    # leaves cores free, drafter processes there instead, one thread each.
+    drafter_extra: dict[str, Any] = ({"placement": "process", "num_threads": 1, "cpus": spare}
+                                     if spare else {})
     drafters: list[dict[str, Any]] = [{"model": d, **drafter_extra} for d in settings.drafts]
     if settings.smurfs_ngram_voter:
         drafters.append({"method": "ngram", "prompt_lookup_min": settings.ngram_min,

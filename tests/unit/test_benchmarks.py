@@ -134,8 +134,9 @@ def test_speculative_configs():
         "prompt_lookup_max": 3}
     assert speculative_config(parse_method("draft_model:6", 2), settings, cpus)["model"] == "/d0"
     smurfs = speculative_config(parse_method("smurfs:4@1thread", 2), settings, cpus)
-    assert smurfs["drafters"][:2] == [{"model": "/d0", "num_threads": 1, "cpus": [1]},
-                                      {"model": "/d1", "num_threads": 1, "cpus": [1]}]
+    assert smurfs["drafters"][:2] == [
+        {"model": "/d0", "placement": "process", "num_threads": 1, "cpus": [1]},
+        {"model": "/d1", "placement": "process", "num_threads": 1, "cpus": [1]}]
     assert smurfs["drafters"][2]["method"] == "ngram" and smurfs["draft_timeout_s"] == 5.0
     shared = speculative_config(parse_method("smurfs:4@2threads", 2), settings, cpus)
     # No free core: the plugin places the drafters (vllm_smurfs.cores.plan_placement).
