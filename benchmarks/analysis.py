@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_smurfs.runner import first_divergence
+from smurfs_tools.jobs import first_divergence
 
 OVERALL = "overall"
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.offline_worker job.json events.jsonl
 
-Modelled on `vllm_smurfs.runner`, which times one `generate` call over all prompts; batch-1
+Modelled on `smurfs_tools.jobs`, which times one `generate` call over all prompts; batch-1
 latency needs one `generate` call per prompt in the same engine, each with its own timing and its
 own acceptance counters. Events are appended to a JSON-lines file as they happen, so a method that
 dies half-way still leaves the prompts it finished:
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from vllm_smurfs.metrics import get_smurfs_stats, stats_delta
-from vllm_smurfs.runner import counter_delta, spec_counters
+from smurfs_tools.jobs import counter_delta, spec_counters
 
 #: A short prompt outside the benchmark, run once before timing (first-call costs).
 WARMUP_PROMPT = "Hello"

@@ -13,4 +13,4 @@ VENV="${SMURFS_VENV:-$ROOT/.venv}"
 bash "$ROOT/scripts/setup.sh" >&2
 
 cd "$ROOT"
-exec "$VENV/bin/python" -m vllm_smurfs.demo "$@"
+exec "$VENV/bin/python" -m smurfs_tools.demo "$@"

@@ -1,6 +1,6 @@
 """Shared fixtures of the end-to-end tests: tiny models built once, generation runs cached.
 
-Every engine runs in its own process (`vllm_smurfs.runner`), on the real vLLM CPU engine, in
+Every engine runs in its own process (`smurfs_tools.jobs`), on the real vLLM CPU engine, in
 float32: bf16 flips near-ties whenever the computation shape changes, for vLLM's own methods too.
 """
 
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from vllm_smurfs.runner import Job, Result, run_job
-from vllm_smurfs.tiny_models import TINY_PROMPTS, TinyFamily, build_tiny_family
+from smurfs_tools.jobs import Job, Result, run_job
+from smurfs_tools.tiny_models import TINY_PROMPTS, TinyFamily, build_tiny_family
 
 # Different budgets per prompt, so some requests finish early while others keep going.
 MAX_TOKENS = [8, 64, 16, 64, 3, 48, 64, 32]

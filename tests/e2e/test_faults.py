@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_smurfs.runner import Job, divergences, run_job
-from vllm_smurfs.tiny_models import TINY_PROMPTS
+from smurfs_tools.jobs import Job, divergences, run_job
+from smurfs_tools.tiny_models import TINY_PROMPTS
 
 from conftest import MAX_TOKENS, smurfs_config
 

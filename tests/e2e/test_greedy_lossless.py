@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_smurfs.runner import divergences
+from smurfs_tools.jobs import divergences
 
 pytestmark = pytest.mark.e2e
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from vllm_smurfs.runner import Job, Result, divergences, run_job
-from vllm_smurfs.tiny_models import TINY_PROMPTS
+from smurfs_tools.jobs import Job, Result, divergences, run_job
+from smurfs_tools.tiny_models import TINY_PROMPTS
 
 from conftest import MAX_TOKENS, default_config, smurfs_config
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from vllm_smurfs.runner import Job, run_job
-from vllm_smurfs.tiny_models import TINY_PROMPTS
+from smurfs_tools.jobs import Job, run_job
+from smurfs_tools.tiny_models import TINY_PROMPTS
 
 pytestmark = pytest.mark.e2e
 

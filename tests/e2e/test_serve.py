@@ -5,7 +5,7 @@ import json
 import pytest
 import requests
 
-from vllm_smurfs.tiny_models import TINY_PROMPTS
+from smurfs_tools.tiny_models import TINY_PROMPTS
 
 from conftest import MAX_TOKENS
 from serving import spec_counters, vllm_server

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import requests
 
-from vllm_smurfs.tiny_models import TINY_PROMPTS
+from smurfs_tools.tiny_models import TINY_PROMPTS
 
 from serving import vllm_server
 

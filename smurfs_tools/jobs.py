@@ -105,7 +105,7 @@ def run_job(job: Job, timeout_s: float = 900.0) -> Result:
         job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
         with open(job_path, "w") as f:
             json.dump(asdict(job), f)
-        proc = subprocess.run([sys.executable, "-m", "vllm_smurfs.runner", job_path, result_path],
+        proc = subprocess.run([sys.executable, "-m", "smurfs_tools.jobs", job_path, result_path],
                               env=env, timeout=timeout_s, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(result_path):
             raise RuntimeError(f"generation job failed (exit {proc.returncode}):\n"

@@ -1,7 +1,7 @@
 """Demo: the same prompts with no speculation, vLLM's draft_model per draft, and Smurfs.
 
-    python -m vllm_smurfs.demo                       # tiny models built (and cached) locally
-    python -m vllm_smurfs.demo --target T --drafter D1 --drafter D2 --dtype bfloat16 --chat
+    python -m smurfs_tools.demo                       # tiny models built (and cached) locally
+    python -m smurfs_tools.demo --target T --drafter D1 --drafter D2 --dtype bfloat16 --chat
 
 Prints one table: mean acceptance length, acceptance per position, output tokens/s (generate only,
 measured in this run, one engine at a time) and whether every output is identical, token for token
@@ -16,8 +16,8 @@ import os
 import sys
 from typing import Any
 
-from vllm_smurfs.runner import Job, Result, divergences, run_job
-from vllm_smurfs.tiny_models import TINY_PROMPTS, build_tiny_family
+from smurfs_tools.jobs import Job, Result, divergences, run_job
+from smurfs_tools.tiny_models import TINY_PROMPTS, build_tiny_family
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "vllm-smurfs", "tiny-models")
 
