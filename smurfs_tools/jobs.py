@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_smurfs.metrics import get_smurfs_stats, stats_delta
+from vllm_smurfs.metrics import get_smurfs_stats, mean_acceptance_length, stats_delta
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Result:
     @property
     def mean_acceptance_length(self) -> float | None:
         """1 + accepted / drafts: tokens produced per verified draft."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+        return mean_acceptance_length(self.num_accepted_tokens, self.num_drafts)
 
     @property
     def acceptance_per_position(self) -> list[float]:

@@ -17,13 +17,14 @@ import logging
 import time
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import numpy as np
 
 from vllm_smurfs import cores
 from vllm_smurfs.config import SmurfsConfig
+from vllm_smurfs.metrics import DrafterStats, SmurfsStats
 from vllm_smurfs.length_controller import (
     AdaptiveLookahead,
     DraftTiming,
@@ -80,61 +81,6 @@ class _RequestState:
     confidences: list[list[float]] | None = None
     free_chain: list[int] | None = None
     models: bool = False
-
-
-@dataclass
-class DrafterStats:
-    """One drafter's figures over verified steps (drafts the target never checked don't count)."""
-
-    name: str
-    vote_wins: int = 0  # proposals where the voted chain was this drafter's draft
-    drafted_tokens: int = 0  # tokens this drafter proposed in verified steps
-    accepted_tokens: int = 0  # of those, the ones matching what the target produced
-    weight: float = 1.0  # current global weight (the prior of new requests)
-
-    def as_dict(self) -> dict[str, Any]:
-        acceptance = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-        return {"name": self.name, "vote_wins": self.vote_wins,
-                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
-                "acceptance": round(acceptance, 4), "weight": round(self.weight, 4)}
-
-
-@dataclass
-class SmurfsStats:
-    steps: int = 0
-    proposed_drafts: int = 0  # requests that got a non-empty voted draft
-    verified_drafts: int = 0  # of those, the ones the target verified
-    verified_draft_tokens: int = 0
-    accepted_tokens: int = 0
-    requests_drafted: int = 0  # (request, step) pairs with a lookahead > 0
-    requests_without_draft: int = 0  # of those, the ones no drafter had anything ready for
-    steps_without_models: int = 0  # steps the policy left the model drafters out of
-    prefill_takebacks: int = 0  # steps with prompt chunks that took lent cores back
-    drafter_forwards: int = 0  # forwards of in-worker drafters
-    drafter_tokens: int = 0  # tokens they computed (catch-up and draft tokens fed back)
-    drafting_s: float = 0.0  # seconds they took (part of proposer_s)
-    target_step_s: float = 0.0  # time between our return and the next call: the target's steps
-    wait_s: float = 0.0  # time propose() waited for drafts
-    proposer_s: float = 0.0  # time in propose(), waits included
-    drafters: list[DrafterStats] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        mean = (1 + self.accepted_tokens / self.verified_drafts) if self.verified_drafts else None
-        return {"steps": self.steps, "proposed_drafts": self.proposed_drafts,
-                "verified_drafts": self.verified_drafts,
-                "verified_draft_tokens": self.verified_draft_tokens,
-                "accepted_tokens": self.accepted_tokens,
-                "mean_acceptance_length": None if mean is None else round(mean, 4),
-                "requests_drafted": self.requests_drafted,
-                "requests_without_draft": self.requests_without_draft,
-                "steps_without_models": self.steps_without_models,
-                "prefill_takebacks": self.prefill_takebacks,
-                "drafter_forwards": self.drafter_forwards,
-                "drafter_tokens": self.drafter_tokens,
-                "drafting_s": round(self.drafting_s, 4),
-                "target_step_s": round(self.target_step_s, 4), "wait_s": round(self.wait_s, 4),
-                "proposer_s": round(self.proposer_s, 4),
-                "drafters": [d.as_dict() for d in self.drafters]}
 
 
 def make_policy(config: SmurfsConfig) -> LookaheadPolicy:
