@@ -899,7 +899,8 @@ class AdaptiveLookahead:
     carrying: a prompt token is work the run must do as much as an output token, so drafts that
     slow a compute-bound prefill step, or take its token budget, count against themselves; the
     alternative measured, leaving the chunk's time out and pricing draft tokens at what they add
-    on top of it, drafted more in prefill steps and ran 5-10% slower served, see docs/results-history.md) in
+    on top of it, drafted more in prefill steps and ran 5-10% slower served, see
+    docs/results-history.md) in
     ``T = target(B + sum_r (1 + k_r)) + visible drafting``, where ``target`` is the
     :class:`StepCostModel`, and the drafting time is the :class:`DraftCostModel` of a call of
     ``max k_r`` positions for the requests with ``k_r > 0``: all of it in synchronous mode, only
