@@ -2,16 +2,7 @@
 
 Started by `multi_draft_worker.ModelDrafterClient` with ``python -m vllm_smurfs.drafter_server``
 (a subprocess, because vLLM workers are daemonic and may not fork children of their own). It
-connects back to the client over a local socket; messages are pickled tuples, token sequences are
-numpy int32 arrays:
-
-    -> ("track", [(req_id, base, tokens, max_lead), ...])   context = the first ``base`` tokens of
-                                       the context last tracked for req_id, then ``tokens``
-    -> ("forget", [req_id, ...])
-    -> ("pause",)                      forget every request; each gets a "stop" record
-    -> ("shutdown",)
-    <- ("ready", info) | ("error", num_messages_taken, traceback)
-    <- ("update", num_messages_taken, records, timing)    after every round (see `serve`)
+connects back to the client over a local socket; the messages are defined in `drafter_protocol`.
 
 Per request the server keeps a **path**: a context the client sent, followed by the drafter's own
 greedy continuation, streamed to the client one engine step at a time (a draft is usable as soon
@@ -29,23 +20,10 @@ it was tracked with and then ends (the drafter *pauses* for that request); it re
 of its path once the target has consumed half of the lead. The engine is vLLM's own: paged KV
 cache, prefix caching, every request's next token batched into one engine step.
 
-Update records, applied by the client in order:
-
-    (req_id, "reset", tokens)           the path restarts at ``tokens`` (drafting)
-    (req_id, "extend", (start, tokens)) tokens appended at position ``start`` of the path
-    (req_id, "resume", None)            drafting again from the end of the path
-    (req_id, "stop", None)              not drafting (paused, no room, or the request failed)
-    (req_id, "resync", None)            a track built on a context this side no longer has (it
-                                        dropped the request): the client sends it whole next time
-
 (Side paths at the drafter's second choices, drafted while the target verifies, were tried and
 measured: each costs a re-prefill of the last block and shares the memory bandwidth the main paths
 need, and the target's token matched the drafter's second choice too rarely; on the 2-core CPU
 machine they lowered tokens/s.)
-
-``timing`` lists ``(num_reqs, seconds, started)`` of the engine steps of the round, for the cost
-model (``started``: ``time.monotonic()`` when the step began, so that the client can leave out a
-step it stopped the process in the middle of).
 """
 
 from __future__ import annotations
@@ -59,6 +37,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from vllm_smurfs.drafter_protocol import (
+    EXTEND,
+    RESET,
+    RESUME,
+    RESYNC,
+    STOP,
+    Forget,
+    Pause,
+    Ready,
+    Record,
+    Shutdown,
+    StartFailed,
+    StepFailed,
+    Timing,
+    Track,
+    Update,
+)
 
 # Block size of the drafter's KV cache: prefix caching reuses whole blocks only, so small blocks
 # re-prefill less per restart; 32 is the smallest the CPU attention backend accepts.
@@ -167,16 +163,16 @@ class PathDrafter:
             t.context_len, t.max_lead = n, max_lead
             # Resume only once half the lead is used: a resume re-prefills the last block.
             if t.engine_id is None and t.lead * 2 <= max_lead and self._start(req_id, t):
-                self.records.append((req_id, "resume", None))
+                self.records.append(Record(req_id, RESUME, None))
             return
         if t is None:
             t = self.tracks[req_id] = _Track(context, n, max_lead)
         else:
             self._abort(t)
             t.path, t.context_len, t.max_lead = context, n, max_lead
-        self.records.append((req_id, "reset", context))
+        self.records.append(Record(req_id, RESET, context))
         if not self._start(req_id, t):
-            self.records.append((req_id, "stop", None))
+            self.records.append(Record(req_id, STOP, None))
 
     def context_for(self, req_id: str, base: int, tokens: np.ndarray) -> np.ndarray | None:
         """The context a track means: the first ``base`` tokens of the one tracked last for
@@ -198,11 +194,10 @@ class PathDrafter:
         """Stop drafting for every request (the client left the model drafters out)."""
         for req_id in list(self.tracks):
             self.forget(req_id)
-            self.records.append((req_id, "stop", None))
+            self.records.append(Record(req_id, STOP, None))
 
-    def step(self) -> tuple[int, float, float] | None:
-        """One engine step for every drafting request; (num_reqs, seconds, monotonic start),
-        None if idle."""
+    def step(self) -> Timing | None:
+        """One engine step for every drafting request; None if idle."""
         if not self.engine.busy():
             return None
         num_reqs = sum(1 for t in self.tracks.values() if t.engine_id is not None)
@@ -216,14 +211,14 @@ class PathDrafter:
                 continue  # aborted or superseded meanwhile
             if tokens:
                 new = np.asarray(tokens, dtype=np.int32)
-                self.records.append((req_id, "extend", (len(t.path), new)))
+                self.records.append(Record(req_id, EXTEND, (len(t.path), new)))
                 t.path = np.concatenate([t.path, new])
             if finished:
                 t.engine_id = None
-                self.records.append((req_id, "stop", None))
-        return num_reqs, seconds, started
+                self.records.append(Record(req_id, STOP, None))
+        return Timing(num_reqs, seconds, started)
 
-    def take_records(self) -> list[tuple[str, str, Any]]:
+    def take_records(self) -> list[Record]:
         records, self.records = self.records, []
         return records
 
@@ -258,21 +253,21 @@ def serve(conn: Any, drafter: PathDrafter, fault: _Fault) -> None:
         except (EOFError, OSError):
             return
         for message in messages:
-            if message[0] == "shutdown":
+            if isinstance(message, Shutdown):
                 return
-            if message[0] == "forget":
-                for req_id in message[1]:
+            if isinstance(message, Forget):
+                for req_id in message.req_ids:
                     drafter.forget(req_id)
-            elif message[0] == "pause":
+            elif isinstance(message, Pause):
                 drafter.pause()
-            elif message[0] == "track":
-                for req_id, base, tokens, max_lead in message[1]:
+            elif isinstance(message, Track):
+                for req_id, base, tokens, max_lead in message.items:
                     context = drafter.context_for(req_id, base, tokens)
                     if context is None:
-                        drafter.records.append((req_id, "resync", None))
+                        drafter.records.append(Record(req_id, RESYNC, None))
                     else:
                         drafter.track(req_id, context, max_lead)
-        timing = []
+        timings: list[Timing] = []
         if drafter.engine.busy():
             fault.before_step()
             try:
@@ -282,11 +277,11 @@ def serve(conn: Any, drafter: PathDrafter, fault: _Fault) -> None:
                 for req_id in list(drafter.tracks):
                     drafter.forget(req_id)
                 drafter.take_records()
-                conn.send(("error", len(messages), traceback.format_exc()))
+                conn.send(StepFailed(len(messages), traceback.format_exc()))
                 continue
             if stepped is not None:
-                timing.append(stepped)
-        conn.send(("update", len(messages), drafter.take_records(), timing))
+                timings.append(stepped)
+        conn.send(Update(len(messages), drafter.take_records(), timings))
 
 
 class _Fault:
@@ -336,11 +331,11 @@ def main() -> None:
         vocab_size = llm.llm_engine.model_config.get_vocab_size()
         engine = VllmDraftEngine(llm.llm_engine)
         _warm_up(engine)
-        conn.send(("ready", {"pid": os.getpid(), "vocab_size": vocab_size,
-                             "load_s": time.monotonic() - started,
-                             "cpus": sorted(os.sched_getaffinity(0))}))
+        conn.send(Ready({"pid": os.getpid(), "vocab_size": vocab_size,
+                         "load_s": time.monotonic() - started,
+                         "cpus": sorted(os.sched_getaffinity(0))}))
     except Exception:  # noqa: BLE001 - reported to the client, which decides
-        conn.send(("error", 0, traceback.format_exc()))
+        conn.send(StartFailed(traceback.format_exc()))
         return
     fault = _Fault(os.environ.get("SMURFS_DRAFTER_FAULT", ""), spec.get("name", ""))
     serve(conn, PathDrafter(engine, spec["max_model_len"]), fault)

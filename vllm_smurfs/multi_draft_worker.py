@@ -39,6 +39,21 @@ from vllm_smurfs import cores
 from vllm_smurfs.channel import Channel
 from vllm_smurfs.config import ModelDrafterConfig, NgramDrafterConfig, SmurfsConfig
 from vllm_smurfs.cores import ElasticThreads
+from vllm_smurfs.drafter_protocol import (
+    EXTEND,
+    RESET,
+    RESUME,
+    RESYNC,
+    STOP,
+    Forget,
+    Pause,
+    Ready,
+    Shutdown,
+    StartFailed,
+    StepFailed,
+    Track,
+    TrackItem,
+)
 from vllm_smurfs.model_free import NgramVoter
 
 logger = logging.getLogger(__name__)
@@ -220,23 +235,24 @@ class ModelDrafterClient:
                 self._fail(f"drafter engine did not start (exit code {self._proc.poll()})")
                 return
         message = conn.recv()
-        if message[0] != "ready":
+        if not isinstance(message, Ready):
             conn.close()
-            self._fail("drafter engine failed to start:\n" + str(message[-1]))
+            error = message.error if isinstance(message, StartFailed) else repr(message)
+            self._fail("drafter engine failed to start:\n" + error)
             return
         # From here on nothing waits on the drafter: see channel.Channel.
         self._channel = Channel(conn, MAX_PENDING_BYTES)
-        self.health.extra.update(message[1])
+        self.health.extra.update(message.info)
         self._last_heard = time.monotonic()
         logger.info("Smurfs drafter %s ready: pid %s, cpus %s, %.1f s", self.name,
-                    message[1]["pid"], message[1]["cpus"], message[1]["load_s"])
+                    message.info["pid"], message.info["cpus"], message.info["load_s"])
 
     def close(self) -> None:
         """Shut the drafter down: its process, the socket, the listener, the socket's folder."""
         self._thaw()
         if self._channel is not None:
             try:
-                self._channel.send(("shutdown",))
+                self._channel.send(Shutdown())
                 self._channel.flush()
             except OSError:
                 pass
@@ -292,9 +308,9 @@ class ModelDrafterClient:
                 continue
             context = np.asarray(context, dtype=np.int32)
             base = self._common_prefix(req_id, context)
-            batch.append((req_id, base, context[base:], max_lead))
+            batch.append(TrackItem(req_id, base, context[base:], max_lead))
             sent_now[req_id] = (context, text_len)
-        sent = bool(batch) and self._send(("track", batch))
+        sent = bool(batch) and self._send(Track(batch))
         if sent:
             self._live.update(sent_now)
             self._sent.update(sent_now)
@@ -320,7 +336,7 @@ class ModelDrafterClient:
         finish its engine step there (a chunk of prefill takes a second on one core, and every
         OpenMP thread of the target waits for the one it shares a core with)."""
         if self.alive and self._tracking:
-            self._tracking = not self._send(("pause",))
+            self._tracking = not self._send(Pause())
             if not self._tracking:
                 self._sent.clear()  # the server drops every request it had
                 self._freeze()
@@ -390,9 +406,9 @@ class ModelDrafterClient:
         # A paused server has dropped every request already (and a stopped one must not be sent
         # a message per finished request).
         if self.alive and req_ids and self._tracking:
-            self._send(("forget", list(req_ids)))
+            self._send(Forget(list(req_ids)))
 
-    def _send(self, message: tuple[Any, ...]) -> bool:
+    def _send(self, message: Track | Forget | Pause) -> bool:
         assert self._channel is not None
         try:
             if not self._channel.send(message):
@@ -430,18 +446,18 @@ class ModelDrafterClient:
         if message is None:
             return False
         self._last_heard = time.monotonic()
-        self._unacked = max(0, self._unacked - message[1])
-        if message[0] == "error":
-            self._step_failed(message[2])
+        self._unacked = max(0, self._unacked - message.taken)
+        if isinstance(message, StepFailed):
+            self._step_failed(message.error)
             return True
         self._failed_in_a_row = 0
         self.health.steps_answered += 1
-        for num_reqs, seconds, started in message[3]:
+        for num_reqs, seconds, started in message.timings:
             if self._was_stopped_during(started, seconds):
                 continue  # the time it was stopped is not the step's
             self.health.busy_s += seconds
             self.step_timings.append((num_reqs, seconds))
-        for req_id, kind, payload in message[2]:
+        for req_id, kind, payload in message.records:
             self._apply(req_id, kind, payload)
         return True
 
@@ -464,11 +480,11 @@ class ModelDrafterClient:
                            self.name, error)
 
     def _apply(self, req_id: str, kind: str, payload: Any) -> None:
-        if kind == "reset":
+        if kind == RESET:
             if req_id in self._live:
                 self._paths[req_id] = _Path(payload, drafting=True)
             return
-        if kind == "resync":
+        if kind == RESYNC:
             # The drafter did not have the context a track built on (it had dropped the
             # request): the next track sends the whole context.
             self._sent.pop(req_id, None)
@@ -477,12 +493,12 @@ class ModelDrafterClient:
         path = self._paths.get(req_id)
         if path is None:
             return  # forgotten meanwhile
-        if kind == "extend":
+        if kind == EXTEND:
             start, tokens = payload
             if start == path.length:
                 path.append(tokens)
-        elif kind in ("resume", "stop"):
-            path.drafting = kind == "resume"
+        elif kind in (RESUME, STOP):
+            path.drafting = kind == RESUME
 
     def _fail(self, reason: str) -> None:
         if self.health.alive:

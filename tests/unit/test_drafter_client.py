@@ -12,6 +12,7 @@ import pytest
 
 from vllm_smurfs.channel import Channel, frame
 from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
+from vllm_smurfs.drafter_protocol import Forget, Pause, StepFailed, Track, Update
 from vllm_smurfs.drafter_server import PathDrafter
 from vllm_smurfs.multi_draft_worker import (
     MAX_MESSAGES_IN_FLIGHT,
@@ -142,16 +143,16 @@ def test_client_mirrors_the_path_and_serves_contexts_it_extends(client_and_serve
     client, server = client_and_server
     assert client.track([("r", ctx(1, 2), 4, 2)])
     (message,) = taken(server)
-    assert message[0] == "track" and message[1][0][0] == "r"
+    assert isinstance(message, Track) and message.items[0].req_id == "r"
     assert client.is_drafting("r", ctx(1, 2))  # not acknowledged yet: a draft may come
-    server.send(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3, 4)))],
+    server.send(Update(1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3, 4)))],
                  [(1, 0.05, time.monotonic() - 0.05)]))
     client.poll(1.0)
     assert client.draft_for("r", ctx(1, 2), 4) == [3, 4]
     assert client.draft_for("r", ctx(1, 2, 3), 4) == [4]  # one accepted token later
     assert client.draft_for("r", ctx(1, 2, 9), 4) == []  # the target went another way
     assert client.is_drafting("r", ctx(1, 2, 3)) and not client.is_drafting("r", ctx(1, 2, 9))
-    server.send(("update", 0, [("r", "extend", (4, ctx(5))), ("r", "stop", None)], []))
+    server.send(Update(0, [("r", "extend", (4, ctx(5))), ("r", "stop", None)], []))
     client.poll(1.0)
     assert client.draft_for("r", ctx(1, 2, 3), 4) == [4, 5]
     assert not client.is_drafting("r", ctx(1, 2, 3))
@@ -161,12 +162,12 @@ def test_client_mirrors_the_path_and_serves_contexts_it_extends(client_and_serve
 def test_forget_drops_paths_and_tells_the_server(client_and_server):
     client, server = client_and_server
     client.track([("r", ctx(1), 4, 1)])
-    server.send(("update", 1, [("r", "reset", ctx(1)), ("r", "extend", (1, ctx(2, 3)))], []))
+    server.send(Update(1, [("r", "reset", ctx(1)), ("r", "extend", (1, ctx(2, 3)))], []))
     client.poll(1.0)
     assert client.draft_for("r", ctx(1), 2) == [2, 3]
     client.forget(["r"])
     assert client.draft_for("r", ctx(1), 2) == []
-    assert [m[0] for m in taken(server)] == ["track", "forget"]
+    assert [type(m) for m in taken(server)] == [Track, Forget]
 
 
 def test_pause_is_sent_once_after_tracking_and_stops_the_client_waiting(client_and_server):
@@ -176,9 +177,9 @@ def test_pause_is_sent_once_after_tracking_and_stops_the_client_waiting(client_a
     client.track([("r", ctx(1), 4, 1)])
     client.pause()
     client.pause()
-    assert [m[0] for m in taken(server)] == ["track", "pause"]
+    assert [type(m) for m in taken(server)] == [Track, Pause]
     # The server's answer: what it had drafted, then "stop" for the paused request.
-    server.send(("update", 2, [("r", "reset", ctx(1)), ("r", "extend", (1, ctx(2))),
+    server.send(Update(2, [("r", "reset", ctx(1)), ("r", "extend", (1, ctx(2))),
                                ("r", "stop", None)], []))
     client.poll(1.0)
     assert not client.is_drafting("r", ctx(1))  # no wait for a paused request
@@ -200,7 +201,7 @@ def test_a_silent_drafter_is_skipped_then_left_out(client_and_server):
 def test_an_idle_drafter_is_never_declared_hung(client_and_server):
     client, server = client_and_server
     client.track([("r", ctx(1), 2, 1)])
-    server.send(("update", 1, [("r", "reset", ctx(1)), ("r", "stop", None)], []))
+    server.send(Update(1, [("r", "reset", ctx(1)), ("r", "stop", None)], []))
     client.poll(1.0)
     time.sleep(0.25)  # silent, but it owes nothing
     client.poll()
@@ -234,16 +235,16 @@ def test_a_late_reset_for_a_forgotten_request_does_not_bring_it_back(client_and_
     client, server = client_and_server
     client.track([("r", ctx(1, 2), 4, 2)])
     client.forget(["r"])
-    assert [m[0] for m in taken(server)] == ["track", "forget"]
-    server.send(("update", 1, [("r", "reset", ctx(1, 2))], []))
-    server.send(("update", 1, [], []))  # the forget taken: the server aborted "r"
+    assert [type(m) for m in taken(server)] == [Track, Forget]
+    server.send(Update(1, [("r", "reset", ctx(1, 2))], []))
+    server.send(Update(1, [], []))  # the forget taken: the server aborted "r"
     client.poll(1.0)
     assert client.draft_for("r", ctx(1, 2), 4) == [] and not client.is_drafting("r", ctx(1, 2))
     time.sleep(0.25)  # silent past hang_timeout_s, owing nothing
     client.poll()
     assert client.health.alive
     client.track([("r", ctx(1, 2), 4, 2)])  # the same id tracked again is served again
-    server.send(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
+    server.send(Update(1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
     client.poll(1.0)
     assert client.draft_for("r", ctx(1, 2), 4) == [3]
 
@@ -272,7 +273,7 @@ def test_a_paused_drafter_is_stopped_until_it_drafts_again(client_and_server):
         client.pause()
         assert _state(client._proc.pid, "T") == "T"
         client.forget(["r"])  # a paused server has dropped it already: nothing sent
-        assert [m[0] for m in taken(server)] == ["track", "pause"]
+        assert [type(m) for m in taken(server)] == [Track, Pause]
         time.sleep(0.25)  # pause and track unanswered, past hang_timeout_s: stopped, not hung
         client.poll()
         assert client.health.alive
@@ -282,7 +283,7 @@ def test_a_paused_drafter_is_stopped_until_it_drafts_again(client_and_server):
         assert client.health.alive
         # Its engine step that was under way when it was stopped timed the stop too: left out.
         now = time.monotonic()
-        server.send(("update", 2, [], [(1, 0.3, now - 0.3), (1, 0.02, now)]))
+        server.send(Update(2, [], [(1, 0.3, now - 0.3), (1, 0.02, now)]))
         client.poll(1.0)
         assert client.step_timings == [(1, 0.02)]
         client.pause()  # nothing tracked since: nothing to pause, and it keeps running
@@ -302,7 +303,7 @@ def test_half_a_message_never_blocks_a_read(client_and_server):
     # A drafter stopped (SIGSTOP) in the middle of a send leaves half a message in the socket.
     client, server = client_and_server
     client.track([("r", ctx(1, 2), 4, 2)])
-    data = frame(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
+    data = frame(Update(1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
     server_socket = __import__("socket").socket(fileno=__import__("os").dup(server.fileno()))
     server_socket.sendall(data[:7])
     started = time.monotonic()
@@ -339,7 +340,7 @@ def test_tracks_send_what_changed_and_the_drafter_rebuilds_the_context(client_an
     text = np.arange(40, dtype=np.int32)
     assert client.track([("r", np.concatenate([text, ctx(7, 8)]), 4, 40)])
     (message,) = taken(server)
-    ((req_id, base, tokens, lead),) = message[1]
+    ((req_id, base, tokens, lead),) = message.items
     assert (req_id, base, len(tokens), lead) == ("r", 0, 42, 4)  # first time: all of it
     drafter = PathDrafter(ScriptedEngine(), max_model_len=1000)
     drafter.track("r", drafter.context_for("r", base, tokens), lead)
@@ -347,24 +348,24 @@ def test_tracks_send_what_changed_and_the_drafter_rebuilds_the_context(client_an
     new = np.concatenate([text, ctx(7, 5, 6, 9)])
     assert client.track([("r", new, 4, 42)])
     (message,) = taken(server)
-    ((_, base, tokens, _),) = message[1]
+    ((_, base, tokens, _),) = message.items
     assert base == 41 and tokens.tolist() == [5, 6, 9]  # only what differs travels
     assert drafter.context_for("r", base, tokens).tolist() == new.tolist()
     # A drafter that dropped the request cannot rebuild it: it asks for the whole context.
     drafter.forget("r")
     assert drafter.context_for("r", base, tokens) is None
-    server.send(("update", 2, [("r", "resync", None)], []))
+    server.send(Update(2, [("r", "resync", None)], []))
     client.poll(1.0)
     assert client.track([("r", new, 4, 42)])
     (message,) = taken(server)
-    assert message[1][0][1] == 0 and len(message[1][0][2]) == 44
+    assert message.items[0].base == 0 and len(message.items[0].tokens) == 44
 
 
 def test_a_failed_step_resets_both_sides_and_three_in_a_row_leave_the_drafter_out(
         client_and_server, monkeypatch):
     client, server = client_and_server
     client.track([("r", ctx(1, 2), 4, 2)])
-    server.send(("update", 1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
+    server.send(Update(1, [("r", "reset", ctx(1, 2)), ("r", "extend", (2, ctx(3)))], []))
     client.poll(1.0)
     assert client.draft_for("r", ctx(1, 2), 4) == [3]
     # Counted at the call (the test session's logging config may hand a record to two handlers).
@@ -372,17 +373,17 @@ def test_a_failed_step_resets_both_sides_and_three_in_a_row_leave_the_drafter_ou
 
     warned: list[str] = []
     monkeypatch.setattr(mdw.logger, "warning", lambda msg, *args: warned.append(msg % args))
-    server.send(("error", 0, "Traceback ...\nRuntimeError: boom"))
+    server.send(StepFailed(0, "Traceback ...\nRuntimeError: boom"))
     client.poll(1.0)
     # Known state: no path, no request it would accept a late reset for, whole contexts next.
     assert client.draft_for("r", ctx(1, 2), 4) == [] and not client.is_drafting("r", ctx(1, 2))
-    server.send(("update", 0, [("r", "reset", ctx(1, 2))], []))  # late: ignored
+    server.send(Update(0, [("r", "reset", ctx(1, 2))], []))  # late: ignored
     client.poll(1.0)
     assert client.draft_for("r", ctx(1, 2), 4) == [] and client.health.alive
     client.track([("r", ctx(1, 2, 3), 4, 3)])
-    assert taken(server)[-1][1][0][1] == 0
+    assert taken(server)[-1].items[0].base == 0
     for owed in (1, 0, 0):  # three failed steps in a row (the update above broke the first run)
-        server.send(("error", owed, "RuntimeError: boom"))
+        server.send(StepFailed(owed, "RuntimeError: boom"))
     client.poll(1.0)
     assert not client.health.alive and "3 engine steps failed in a row" in client.health.last_error
     # One traceback in the log for the repeated failure, then the line that leaves it out.
