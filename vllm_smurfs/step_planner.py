@@ -9,10 +9,10 @@ afresh, there is nothing to switch on or off, and the draft length is decided wh
 1. **Two plans, the better taken** (:meth:`StepPlanner.plan`). *Free*: drafts from the model-free
    voters only (n-gram lookup: microseconds). *Models*: the model drafters draft too, and the vote
    picks one chain per request. Each plan's expected tokens come from its own
-   :class:`~vllm_smurfs.length_controller.AcceptanceModel` (per request and position: the n-gram
+   :class:`~vllm_smurfs.acceptance.AcceptanceModel` (per request and position: the n-gram
    chain's acceptance in steps it drafted; the voted chain's in steps the models drafted), its
    time from measured curves: the target's step by tokens verified
-   (:class:`~vllm_smurfs.length_controller.StepCostModel`), each drafter's forward by tokens
+   (:class:`~vllm_smurfs.step_costs.StepCostModel`), each drafter's forward by tokens
    computed, the proposer's own time. Per request the lookahead is allocated greedily (the next
    token to the request with the largest expected gain) to the best predicted rate, as in
    `AdaptiveLookahead`. A prompt chunk in the step counts as work done, like output tokens.
@@ -36,14 +36,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_smurfs.length_controller import (
-    AcceptanceModel,
-    StepCostModel,
-    StepFeedback,
-    StepTiming,
-    _pava,
-    room_for_drafts,
-)
+from vllm_smurfs.acceptance import AcceptanceModel
+from vllm_smurfs.lookahead_types import StepFeedback, StepTiming, room_for_drafts
+from vllm_smurfs.step_costs import StepCostModel, _pava
 
 __all__ = ["ConfidenceCalibration", "DrafterOutcome", "Plan", "PlanRequest", "StepPlanner"]
 
