@@ -37,7 +37,7 @@ from vllm_smurfs.length_controller import (
 )
 from vllm_smurfs.multi_draft_worker import DraftRequest, MultiDraftWorker
 from vllm_smurfs.step_planner import DrafterOutcome, Plan, PlanRequest, StepPlanner
-from vllm_smurfs.trace_sim import TraceRequest, TraceStep
+from vllm_smurfs.trace import TraceRequest, TraceStep
 from vllm_smurfs.vote_sampler import (
     DrafterWeights,
     WeightUpdateRule,

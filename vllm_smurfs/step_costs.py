@@ -50,7 +50,7 @@ def _bucket(num_tokens: int) -> int:
         _BUCKETS_PER_OCTAVE * math.log2(num_tokens / _EXACT_BUCKETS))
 
 
-def _pava(values: list[float], weights: list[float]) -> list[float]:
+def isotonic_regression(values: list[float], weights: list[float]) -> list[float]:
     """Weighted isotonic (non-decreasing) regression by pool-adjacent-violators."""
     blocks: list[list[float]] = []  # [mean, weight, count]
     for v, w in zip(values, weights, strict=True):
@@ -144,7 +144,7 @@ class StepCostModel:
             ws = [w for _, _, w, _ in stats]
             ys = [y * max(0.0, 1.0 - _MEDIAN_STANDARD_ERROR * self._noise / math.sqrt(w))
                   for _, y, w, _ in stats]
-            self._knots = list(zip(xs, _pava(ys, ws), strict=True))
+            self._knots = list(zip(xs, isotonic_regression(ys, ws), strict=True))
             self._xs = [x for x, _ in self._knots]
             self._ys = [y for _, y in self._knots]
         return list(self._knots)

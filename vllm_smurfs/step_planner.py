@@ -38,7 +38,7 @@ from typing import Any
 
 from vllm_smurfs.acceptance import AcceptanceModel
 from vllm_smurfs.lookahead_types import StepFeedback, StepTiming, room_for_drafts
-from vllm_smurfs.step_costs import StepCostModel, _pava
+from vllm_smurfs.step_costs import StepCostModel, isotonic_regression
 
 __all__ = ["ConfidenceCalibration", "DrafterOutcome", "Plan", "PlanRequest", "StepPlanner"]
 
@@ -183,7 +183,7 @@ class ConfidenceCalibration:
             raw = [(s + c * (i + 0.5) / self.bins) / (n + c)
                    for i, (s, n) in enumerate(zip(self._succ, self._trials, strict=True))]
             weights = [n + c for n in self._trials]
-            self._curve = _pava(raw, weights)
+            self._curve = isotonic_regression(raw, weights)
         return self._curve
 
     def __call__(self, conf: float) -> float:

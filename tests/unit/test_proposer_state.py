@@ -138,7 +138,7 @@ def test_pipelined_proposer_drafts_ahead_past_the_voted_chain(proposer):
 
 
 def test_trace_file_records_verified_drafts_for_the_simulator(monkeypatch, tmp_path):
-    from vllm_smurfs.trace_sim import read_trace
+    from vllm_smurfs.trace import read_trace
 
     path = tmp_path / "trace.jsonl"
     p = make_proposer(monkeypatch, trace_file=str(path))
