@@ -170,3 +170,15 @@ def plan_placement(
     if borrowed != sorted(target)[-len(borrowed):]:
         return cpus, 0
     return cpus, len(borrowed)
+
+
+def allowed_cpus() -> list[int]:
+    """Every core some thread of this process may use (vLLM binds each compute thread to one)."""
+    allowed: set[int] = set()
+    for affinity in thread_affinities():
+        allowed |= affinity
+    try:
+        allowed |= os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        pass
+    return sorted(allowed) or list(range(os.cpu_count() or 1))

@@ -1,5 +1,5 @@
 """The messages between a process drafter's client (in the target's worker,
-`multi_draft_worker.ModelDrafterClient`) and its server (`drafter_server`), defined once.
+`drafter_client.ModelDrafterClient`) and its server (`drafter_server`), defined once.
 
 Messages are pickled named tuples over a local socket (multiprocessing framing; the client reads
 and writes it without blocking, see `channel.Channel`); token sequences are numpy int32 arrays.

@@ -1,6 +1,6 @@
 """A model drafter's own process: one vLLM engine that keeps drafting ahead for every request.
 
-Started by `multi_draft_worker.ModelDrafterClient` with ``python -m vllm_smurfs.drafter_server``
+Started by `drafter_client.ModelDrafterClient` with ``python -m vllm_smurfs.drafter_server``
 (a subprocess, because vLLM workers are daemonic and may not fork children of their own). It
 connects back to the client over a local socket; the messages are defined in `drafter_protocol`.
 

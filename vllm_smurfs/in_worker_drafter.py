@@ -41,7 +41,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_smurfs.config import ModelDrafterConfig
-from vllm_smurfs.multi_draft_worker import DrafterHealth
+from vllm_smurfs.drafter_client import DrafterHealth
 
 logger = logging.getLogger(__name__)
 
