@@ -147,7 +147,7 @@ def plan_placement(
 ) -> tuple[list[int], int]:
     """(the drafter's cores, target threads it borrows) for one model drafter.
 
-    ``requested`` (the drafter's ``cpus`` setting) wins. Otherwise: cores the target leaves free;
+    ``requested`` (the drafter's ``cpus`` setting) wins. Otherwise: cores the target leaves spare;
     without one, a pipelined drafter borrows the target's last ``num_threads`` cores (the target
     lends them only while model drafters draft) if the target keeps at least one; else (or
     synchronous drafting, which takes turns with the target's step) all the target's cores.
@@ -156,9 +156,9 @@ def plan_placement(
     if requested:
         cpus = sorted(set(requested))
     else:
-        free = sorted(set(every) - target_set)
-        if free:
-            return free, 0
+        spare = sorted(set(every) - target_set)
+        if spare:
+            return spare, 0
         if pipelined and len(target) > num_threads:
             cpus = sorted(target)[-num_threads:]
         else:

@@ -260,7 +260,7 @@ def _close_all(elastic: ElasticThreads, drafters: Sequence[ModelDrafterClient]) 
 def _place_drafters(config: SmurfsConfig) -> tuple[int, dict[int, tuple[list[int], int, int]]]:
     """The target's thread count and, per model drafter (by index in ``config.drafters``), (its
     cores, target threads it borrows, its threads). See `cores.plan_placement`: cores the target
-    leaves free first; a synchronous drafter on the target's cores takes the target's thread count."""
+    leaves spare first; a synchronous drafter on the target's cores takes the target's thread count."""
     threads = cores.spin_up_threads()
     bound = cores.target_cpus(threads)
     every = cores.allowed_cpus()
@@ -270,7 +270,7 @@ def _place_drafters(config: SmurfsConfig) -> tuple[int, dict[int, tuple[list[int
             continue
         own = spec.num_threads or 1
         if bound is None:
-            # The target's threads float over every core: nothing to lend, nothing is free.
+            # The target's threads float over every core: nothing to lend, nothing is spare.
             cpus, borrowed = (sorted(set(spec.cpus)) if spec.cpus else every), 0
         else:
             cpus, borrowed = cores.plan_placement(bound, every, spec.cpus, own, config.pipeline)
