@@ -17,10 +17,10 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.cli import DEFAULT_DATASET
 from benchmarks.provenance import provenance
+from benchmarks.spec_bench import load_questions
 from smurfs_tools.jobs import Job, run_job
-
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def measure(target: str, draft: str, placement: str, prompts: list[str], max_tokens: int,
@@ -47,13 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True)
     parser.add_argument("--draft", required=True)
-    parser.add_argument("--questions", default=str(SPEC_BENCH))
+    parser.add_argument("--questions", default=DEFAULT_DATASET)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    with open(args.questions, encoding="utf-8") as f:
-        questions = [json.loads(line) for line in f if line.strip()]
-    prompts = [q["turns"][0] for q in questions[::10]][:32]
+    prompts = [q["turns"][0] for q in load_questions(args.questions)[::10]][:32]
     rows = []
     for placement in ("worker", "process"):
         for batch, max_tokens in ((1, 96), (32, 24)):
