@@ -149,12 +149,12 @@ def _execute(job: Job) -> Result:
     aborted: list[int] = []
     if job.arrive_at or job.abort_after:
         token_ids, texts, aborted = _drive(llm, job, prompts, params)
-    elif job.one_at_a_time:
-        outputs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
-        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-        texts = [o.outputs[0].text for o in outputs]
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if job.one_at_a_time:
+            outputs = [llm.generate([p], [sp], use_tqdm=False)[0]
+                       for p, sp in zip(prompts, params, strict=True)]
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
         texts = [o.outputs[0].text for o in outputs]
     elapsed_s = time.perf_counter() - started
