@@ -318,8 +318,9 @@ class StepPlanner:
                     or model_plan.rate > free_plan.rate * (1.0 + _DRAFT_MARGIN)):
                 best = model_plan
             elif (self.steps - self._last_models_step >= _PROBE_INTERVAL_STEPS
-                  and self._probe_affordable(requests, can_model)):
-                cheapest = min(can_model, key=lambda r: _catch_up_total(requests[r]))
+                  and self._probe_affordable(
+                      cheapest := min(can_model, key=lambda r: _catch_up_total(requests[r])),
+                      requests)):
                 probe_caps = [caps[r] if r == cheapest else 0 for r in range(n)]
                 best = self._model_plan(requests, probe_caps, [min(1, c) for c in probe_caps],
                                         [cheapest], free_plan)
@@ -339,11 +340,11 @@ class StepPlanner:
                       "background_tokens": self._background}
         return best
 
-    def _probe_affordable(self, requests: Sequence[PlanRequest], rows: list[int]) -> bool:
-        """Whether the cheapest probe's predicted forwards (its catch-up, one more token) fit in
-        _PROBE_BUDGET of the target's time since the models last drafted."""
-        cheapest = min(_catch_up_total(requests[r]) for r in rows)
-        cost = sum(state.pass_cost(cheapest) + state.pass_cost(1) for state in self.drafters)
+    def _probe_affordable(self, row: int, requests: Sequence[PlanRequest]) -> bool:
+        """Whether a probe of request ``row``'s predicted forwards (its catch-up, one more token)
+        fit in _PROBE_BUDGET of the target's time since the models last drafted."""
+        catch_up = _catch_up_total(requests[row])
+        cost = sum(state.pass_cost(catch_up) + state.pass_cost(1) for state in self.drafters)
         return cost <= _PROBE_BUDGET * (self._elapsed_s - self._last_models_s)
 
     def _free_plan(self, requests: Sequence[PlanRequest], free_caps: list[int]) -> Plan:
