@@ -12,12 +12,15 @@ per second, from three models learnt online:
 * :class:`StepCostModel`: the target step's seconds as a function of the tokens it verifies;
 * :class:`DraftCostModel`: a drafter call's seconds from its batch size and draft length.
 
-With model drafters that can be left out (``free_mode``), the two plans' predicted step times are
-also checked against the time their steps took (:class:`StepTimeCalibration`, one per plan).
+With model drafters that can be left out (``model_free_mode``), the two plans' predicted step
+times are also checked against the time their steps took (:class:`StepTimeCalibration`, one per
+plan), and which plan is taken is decided by a :class:`DrafterModeController`.
 
 The parts live in modules of their own: the interface in `lookahead_types`, acceptance in
-`acceptance`, the cost models in `step_costs`; this module keeps the two policies and re-exports
-the rest, as the entry point to the idea.
+`acceptance`, the cost models in `step_costs`, the plan and its greedy allocation in
+`lookahead_plan`, the switching of model drafting (dwell, margin, retries) in `lookahead_mode`;
+this module keeps the two policies (`AdaptiveLookahead` is the facade that ties the parts
+together) and re-exports the rest, as the entry point to the idea.
 
 Pure (stdlib only, no vllm/torch): :meth:`AdaptiveLookahead.choose` runs every step for up to a
 few hundred requests, so it is written to cost O(n * max_lookahead * log) plain-Python work.
@@ -25,7 +28,7 @@ few hundred requests, so it is written to cost O(n * max_lookahead * log) plain-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_smurfs.acceptance import (
@@ -33,6 +36,14 @@ from vllm_smurfs.acceptance import (
     _DEFAULT_PRIOR_STRENGTH,
     _DEFAULT_REQUEST_HALF_LIFE_STEPS,
     AcceptanceModel,
+)
+from vllm_smurfs.lookahead_mode import QUIET_BACKGROUND, DrafterModeController
+from vllm_smurfs.lookahead_plan import (
+    LookaheadPlan,
+    cumulative_acceptance,
+    expected_table,
+    greedy_lookaheads,
+    step_seconds,
 )
 from vllm_smurfs.lookahead_types import (
     DraftTiming,
@@ -58,7 +69,9 @@ __all__ = [
     "AdaptiveLookahead",
     "DraftCostModel",
     "DraftTiming",
+    "DrafterModeController",
     "FixedLookahead",
+    "LookaheadPlan",
     "LookaheadPolicy",
     "RequestView",
     "StepCostModel",
@@ -151,37 +164,6 @@ _DEFAULT_PROBE_INTERVAL = 16
 # steps, so the last step is the best guess of the next one, and the average drops back within a
 # few steps after the run.
 _BACKGROUND_SMOOTHING = 0.5
-# A longer draft must improve the predicted rate by this relative margin to be taken: it breaks
-# numerical ties (free verification, zero expected gain) towards fewer tokens.
-_MIN_RELATIVE_GAIN = 1e-9
-# With ``free_mode``: switching from model-free drafting to model drafting must promise this much
-# more (relative rate). A switch restarts the drafters (a prefill per request) and the first
-# steps after it find few drafts ready, which the estimates of the mode learnt earlier omit.
-_SWITCH_MARGIN = 0.05
-# Steps a mode is kept after a switch: each switch costs a restart, and a mode's estimates need a
-# few steps to reflect the present.
-_MIN_DWELL_STEPS = 8
-# Without model drafters, their estimates stop learning: now and then the controller retries them,
-# each request drafting at least one token, so a change (a lighter load, more predictable text)
-# is noticed. A retry starts only in a quiet step (no prompt chunk in the last steps: lending a
-# core slows a prefill-heavy step most, and a chunk spoils the measurement) and ends as soon as
-# one arrives. It lasts until the model drafters have caught up (re-prefilled the requests they
-# dropped when paused; `observe`'s ``models_ready``) and then one dwell, at most
-# ``_RETRY_MAX_STEPS``: a retry that ends before the drafters deliver would learn only the
-# catch-up. A retry's price is measured: the time its steps took beyond what the step-cost curve
-# without model drafting predicts for their token counts (the lent cores, the catch-up). The next
-# retry waits ``_RETRY_INTERVAL_STEPS`` after the last switch, doubled after every retry that
-# ended with the models left out again (at most ``_RETRY_MAX_BACKOFF`` doublings: 16384 steps),
-# back to 256 once they are kept; and until the last retry's price is at most 1% of the time
-# since it began. Where the models never pay (a 2-core CPU) retries thus cost well under 1%.
-_RETRY_INTERVAL_STEPS = 256
-_RETRY_MAX_BACKOFF = 6
-_RETRY_MAX_STEPS = 64
-_RETRY_BUDGET = 0.01
-# Background (prompt) tokens below which a step counts as quiet for a retry: the smoothed
-# background of a step after a chunk is half the chunk, so one prompt token keeps it busy for
-# about one step, a 256-token chunk for about nine.
-_QUIET_BACKGROUND = 0.5
 
 
 class AdaptiveLookahead:
@@ -235,13 +217,14 @@ class AdaptiveLookahead:
         cost_window: int = _DEFAULT_COST_WINDOW,
         draft_window: int = _DEFAULT_DRAFT_WINDOW,
         probe_interval: int = _DEFAULT_PROBE_INTERVAL,
-        free_mode: bool = False,
+        model_free_mode: bool = False,
+        free_mode: bool | None = None,
     ) -> None:
         """See the module constants for the defaults' justification.
 
-        ``free_mode``: also consider, every step, leaving the model drafters out (drafts from
-        the model-free voters only, see ``choose``'s ``free_lens``), with its own step-cost
-        curve (`StepTiming.drafting` False: e.g. the target then has the cores it lends to
+        ``model_free_mode`` (``free_mode``: its old name, still accepted): also consider, every
+        step, leaving the model drafters out (drafts from the model-free voters only, see
+        ``choose``'s ``free_lens``), with its own step-cost curve (`StepTiming.drafting` False: e.g. the target then has the cores it lends to
         drafters) and its own acceptance model; the better of the two plans is taken, with a
         margin and a minimum dwell against flapping. Each plan's predicted rate is corrected by
         how long its steps took, the proposer's own time included, against their predicted
@@ -265,6 +248,8 @@ class AdaptiveLookahead:
             raise ValueError(f"cost_window must be >= 1, got {cost_window}")
         if draft_window < 1:
             raise ValueError(f"draft_window must be >= 1, got {draft_window}")
+        if free_mode is not None:  # the old spelling, kept for one release
+            model_free_mode = model_free_mode or free_mode
         self.max_lookahead = max_lookahead
         self.min_lookahead = min_lookahead
         self.pipelined = pipelined
@@ -273,57 +258,68 @@ class AdaptiveLookahead:
             max_lookahead, request_half_life_steps, prior_strength, global_memory)
         self.step_cost = StepCostModel(cost_window)
         self.draft_cost = DraftCostModel(draft_window)
-        self.free_mode = free_mode
-        self.acceptance_free = AcceptanceModel(
+        self.model_free_mode = model_free_mode
+        self.acceptance_model_free = AcceptanceModel(
             max_lookahead, request_half_life_steps, prior_strength, global_memory)
-        self.step_cost_free = StepCostModel(cost_window)
+        self.step_cost_model_free = StepCostModel(cost_window)
         self.calibration = StepTimeCalibration()
-        self.calibration_free = StepTimeCalibration()
+        self.calibration_model_free = StepTimeCalibration()
+        self.mode = DrafterModeController()
         self._sample: _PendingSample | None = None
-        self._models_on = True
-        self._switched_at = -_MIN_DWELL_STEPS
-        self._retry_start: int | None = None  # step the retry going on began at (None: none)
-        self._retry_ready_steps = 0  # its steps whose feedback came from caught-up drafters
-        self._retry_backoff = 0  # doublings of the retry interval (failed retries in a row)
-        self._judge_retry = False  # the next greedy choice tells whether the last retry paid
-        self.retries = 0
-        self._elapsed_s = 0.0  # target step seconds observed so far
-        self._retry_started_s = 0.0  # _elapsed_s when the last retry began
-        self._retry_cost_s = 0.0  # its measured price (see _RETRY_BUDGET)
-        self._planned_retry = False  # whether the last choice was part of a retry
-        self.switches = 0  # model drafting switched on or off by the greedy choice
         self._steps = 0  # choose() calls with at least one request
         self._explored_low = False
         self._background = 0.0
         self._planned_tokens: int | None = None  # decode tokens of the last choice
         self._last_drafted: dict[str, int] = {}
-        self._expected: dict[str, list[float]] = {}  # req_id -> E(0..cap) at the last choice
-        self._chosen: dict[str, int] = {}  # req_id -> lookahead at the last choice
-        self._last: dict[str, Any] = {}
+        self.plan: LookaheadPlan | None = None  # the last choice's plan (wait_bound reads it)
+
+    # The names before "free" meant model-free everywhere (kept for one release).
+    @property
+    def free_mode(self) -> bool:
+        return self.model_free_mode
+
+    @property
+    def step_cost_free(self) -> StepCostModel:
+        return self.step_cost_model_free
+
+    @property
+    def acceptance_free(self) -> AcceptanceModel:
+        return self.acceptance_model_free
+
+    @property
+    def calibration_free(self) -> StepTimeCalibration:
+        return self.calibration_model_free
+
+    @property
+    def switches(self) -> int:
+        """Model drafting switched on or off (by the greedy choice or a retry)."""
+        return self.mode.switches
+
+    @property
+    def retries(self) -> int:
+        return self.mode.retries
 
     # -- learning ---------------------------------------------------------------------------
     @property
     def models_on(self) -> bool:
-        return self._models_on
+        return self.mode.models_on
 
     def observe(self, feedback: Sequence[StepFeedback], models_ready: bool = True) -> None:
         """The last choice's outcome (after its :meth:`observe_step`, as the proposer calls)."""
         # The feedback is about the drafts of the last choice, made in its mode.
-        (self.acceptance if self._models_on else self.acceptance_free).observe(feedback)
-        if (self._retry_start is not None and self._models_on and models_ready
-                and any(fb.num_draft_tokens for fb in feedback)):
-            self._retry_ready_steps += 1
+        (self.acceptance if self.mode.models_on else self.acceptance_model_free).observe(feedback)
+        self.mode.observe_feedback(any(fb.num_draft_tokens for fb in feedback), models_ready)
         sample, self._sample = self._sample, None
         if sample is not None and sample.taken_s is not None and (models_ready
                                                                    or not sample.models):
-            (self.calibration if sample.models else self.calibration_free).observe(
+            (self.calibration if sample.models else self.calibration_model_free).observe(
                 sample.predicted_s, sample.taken_s)
 
     def observe_step(self, timing: StepTiming) -> None:
-        self._elapsed_s += timing.seconds
-        if self._planned_retry and timing.drafting and not self.step_cost_free.is_empty:
-            self._retry_cost_s += max(0.0, timing.seconds - self.step_cost_free(timing.num_tokens))
-        cost = self.step_cost if timing.drafting or not self.free_mode else self.step_cost_free
+        without = self.step_cost_model_free
+        self.mode.observe_step(timing.seconds, timing.drafting,
+                               None if without.is_empty else without(timing.num_tokens))
+        cost = self.step_cost if timing.drafting or not self.model_free_mode else without
         cost.observe(timing.num_tokens, timing.seconds)
         extra = 0
         if self._planned_tokens is not None:
@@ -346,10 +342,11 @@ class AdaptiveLookahead:
     def forget(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
         self.acceptance.forget(req_ids)
-        self.acceptance_free.forget(req_ids)
+        self.acceptance_model_free.forget(req_ids)
         for req_id in req_ids:
             self._last_drafted.pop(req_id, None)
-            self._expected.pop(req_id, None)
+        if self.plan is not None:
+            self.plan.forget(req_ids)
 
     # -- deciding ---------------------------------------------------------------------------
     def _drafting_cost(self, num_tokens: float) -> float:
@@ -358,41 +355,17 @@ class AdaptiveLookahead:
         this also prices token counts the drafting curve has not measured, e.g. prefill-heavy
         steps, at least at what they cost without drafting)."""
         t = self.step_cost(num_tokens)
-        if self.free_mode and not self.step_cost_free.is_empty:
-            t = max(t, self.step_cost_free(num_tokens))
+        if self.model_free_mode and not self.step_cost_model_free.is_empty:
+            t = max(t, self.step_cost_model_free(num_tokens))
         return t
-
-    def _retry_due(self) -> bool:
-        return (self._steps - self._switched_at >= _RETRY_INTERVAL_STEPS << self._retry_backoff
-                and self._background < _QUIET_BACKGROUND
-                and self._retry_cost_s <= _RETRY_BUDGET
-                * (self._elapsed_s - self._retry_started_s))
-
-    def _retrying(self) -> bool:
-        """Whether the retry going on (if any) goes on this step; ends it when it is over: the
-        drafters delivered for a dwell, or never within ``_RETRY_MAX_STEPS``, or a prompt
-        chunk came. The step that ends it is decided afresh (no dwell)."""
-        if self._retry_start is None:
-            return False
-        if (self._retry_ready_steps < _MIN_DWELL_STEPS
-                and self._steps - self._retry_start < _RETRY_MAX_STEPS
-                and self._background < _QUIET_BACKGROUND):
-            return True
-        self._retry_start = None
-        self._switched_at = self._steps - _MIN_DWELL_STEPS
-        self._judge_retry = True
-        return False
-
-    def _step_seconds(self, target_s: float, max_k: int, num_drafted: int) -> float:
-        draft_s = self.draft_cost(max_k, num_drafted)
-        return target_s + (max(0.0, draft_s - target_s) if self.pipelined else draft_s)
 
     def choose(self, requests: Sequence[RequestView], max_lookahead: int,
                free_lens: Sequence[int] | None = None) -> list[int]:
         """One lookahead per request in ``[min(min_lookahead, cap), cap]``, where ``cap =
-        min(self.max_lookahead, max_lookahead, room_for_drafts(r))``; with ``free_mode`` and
-        the model drafters left out (`models_on` False), ``cap`` is also at most
-        ``free_lens[i]`` (0 where it is not given).
+        min(self.max_lookahead, max_lookahead, room_for_drafts(r))``; with
+        ``model_free_mode`` and the model drafters left out (`models_on` False), ``cap`` is
+        also at most ``free_lens[i]`` (0 where it is not given). The choice is kept as
+        :attr:`plan`.
 
         Raises:
             ValueError: when ``max_lookahead < 0`` or ``free_lens`` has another length.
@@ -408,63 +381,9 @@ class AdaptiveLookahead:
         self._steps += 1
         top = min(self.max_lookahead, max_lookahead)
         caps = [min(top, room_for_drafts(r)) for r in requests]
-        lows = [min(self.min_lookahead, c) for c in caps]
-        cum = self._cumulative(self.acceptance, ids, caps)
-        models = True
-        if self.free_mode:
-            self.acceptance_free.tick(ids)
-            free_caps = [min(c, max(0, int(f))) for c, f in
-                         zip(caps, free_lens if free_lens is not None else [0] * n, strict=True)]
-            free_lows = [min(self.min_lookahead, c) for c in free_caps]
-
-        if self.step_cost.is_empty:
-            ks, mode = list(caps), "explore-max"
-        elif not self._explored_low and len(self.step_cost.knots()) < 2 and lows != caps:
-            ks, mode = list(lows), "explore-min"
-            self._explored_low = True
-        elif self.free_mode and self.step_cost_free.is_empty:
-            # One step without model drafting, to measure what it costs.
-            models, ks, mode = False, list(free_caps), "explore-free"
-            caps, cum = free_caps, self._cumulative(self.acceptance_free, ids, free_caps)
-        elif self.free_mode and not self._models_on and self._retry_due():
-            ks, mode = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)], "retry"
-            self._switched_at, self._retry_start, self._retry_ready_steps = self._steps, \
-                self._steps, 0
-            self._retry_started_s, self._retry_cost_s = self._elapsed_s, 0.0
-            self.switches += 1
-            self.retries += 1
-        else:
-            retrying = self.free_mode and self._retrying()
-            if retrying:  # a retry drafts, or it learns nothing
-                lows = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)]
-            ks, rate = self._greedy(cum, caps, lows, self._drafting_cost, drafting=True)
-            mode = "retry" if retrying else "greedy"
-            if self.free_mode:
-                cum_free = self._cumulative(self.acceptance_free, ids, free_caps)
-                ks_free, rate_free = self._greedy(cum_free, free_caps, free_lows,
-                                                  self.step_cost_free, drafting=False)
-                models = retrying or self._decide(rate, rate_free)
-                if self._judge_retry and not retrying:
-                    # Left out again right after a retry: it did not pay, wait longer.
-                    self._retry_backoff = (min(self._retry_backoff + 1, _RETRY_MAX_BACKOFF)
-                                           if not models else 0)
-                    self._judge_retry = False
-                if not models:
-                    ks, mode, caps, cum = ks_free, "greedy-free", free_caps, cum_free
-        self._planned_retry = models and self._retry_start is not None
-        if models != self._models_on:
-            if mode.startswith("greedy"):
-                self._switched_at = self._steps
-                self.switches += 1
-            self._models_on = models
-
-        expected = []
-        for qs in cum:
-            e = [1.0]
-            for q in qs:
-                e.append(e[-1] + q)
-            expected.append(e)
-        self._expected = dict(zip(ids, expected, strict=True))
+        ks, models, mode, caps, cum = self._choose_mode(ids, caps, free_lens)
+        self.mode.commit(self._steps, models, greedy=mode.startswith("greedy"))
+        expected = expected_table(cum)
 
         if self.probe_interval and self._steps % self.probe_interval == 0:
             candidates = [i for i in range(n) if ks[i] == 0 and caps[i] >= 1]
@@ -477,111 +396,83 @@ class AdaptiveLookahead:
                 self._last_drafted[req_id] = self._steps
             else:
                 self._last_drafted.setdefault(req_id, self._steps)
+        self.plan = self._plan(ids, ks, expected, models, mode)
+        return ks
 
-        self._chosen = dict(zip(ids, ks, strict=True))
+    def _choose_mode(self, ids: list[str], caps: list[int], free_lens: Sequence[int] | None
+                     ) -> tuple[list[int], bool, str, list[int], list[list[float]]]:
+        """(lookaheads, whether the model drafters draft, how it was chosen, the caps and
+        cumulative acceptances of the plan taken): exploration first, then a retry of the
+        model drafters when due, else the better of the two plans (`DrafterModeController`)."""
+        lows = [min(self.min_lookahead, c) for c in caps]
+        cum = cumulative_acceptance(self.acceptance, ids, caps)
+        model_free = self.model_free_mode
+        if model_free:
+            self.acceptance_model_free.tick(ids)
+            free_caps = [min(c, max(0, int(f))) for c, f in
+                         zip(caps, free_lens if free_lens is not None else [0] * len(ids),
+                             strict=True)]
+            free_lows = [min(self.min_lookahead, c) for c in free_caps]
+
+        if self.step_cost.is_empty:
+            return list(caps), True, "explore-max", caps, cum
+        if not self._explored_low and len(self.step_cost.knots()) < 2 and lows != caps:
+            self._explored_low = True
+            return list(lows), True, "explore-min", caps, cum
+        if model_free and self.step_cost_model_free.is_empty:
+            # One step without model drafting, to measure what it costs.
+            return (list(free_caps), False, "explore-free", free_caps,
+                    cumulative_acceptance(self.acceptance_model_free, ids, free_caps))
+        if model_free and not self.mode.models_on and self.mode.retry_due(self._steps,
+                                                                          self._background):
+            self.mode.start_retry(self._steps)
+            return ([min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)], True,
+                    "retry", caps, cum)
+        retrying = model_free and self.mode.retrying(self._steps, self._background)
+        if retrying:  # a retry drafts, or it learns nothing
+            lows = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)]
+        ks, rate = greedy_lookaheads(cum, caps, lows, self._drafting_cost, self._background,
+                                     self.draft_cost, self.pipelined)
+        mode = "retry" if retrying else "greedy"
+        if not model_free:
+            return ks, True, mode, caps, cum
+        cum_free = cumulative_acceptance(self.acceptance_model_free, ids, free_caps)
+        ks_free, rate_free = greedy_lookaheads(cum_free, free_caps, free_lows,
+                                               self.step_cost_model_free, self._background,
+                                               None, self.pipelined)
+        # Each plan's rate corrected by its calibration; the model plan's shrunk towards the
+        # other's: until it is measured, it is taken to pay the overhead both plans pay (the
+        # proposer's own time), not to have none.
+        free_factor = self.calibration_model_free.factor()
+        models = self.mode.choose_models(self._steps, rate * self.calibration.factor(free_factor),
+                                         rate_free * free_factor, retrying)
+        if not models:
+            return ks_free, False, "greedy-free", free_caps, cum_free
+        return ks, True, mode, caps, cum
+
+    def _plan(self, ids: list[str], ks: list[int], expected: list[list[float]], models: bool,
+              mode: str) -> LookaheadPlan:
+        """The choice as a plan, with its predicted time (and a calibration sample pending)."""
         tokens = sum(1 + k for k in ks)
         self._planned_tokens = tokens
-        quiet = self._background < _QUIET_BACKGROUND
+        quiet = self._background < QUIET_BACKGROUND
         total_tokens = self._background + tokens
-        target_s = (self._drafting_cost if models else self.step_cost_free)(total_tokens)
+        target_s = (self._drafting_cost if models else self.step_cost_model_free)(total_tokens)
         num_drafted = sum(1 for k in ks if k > 0)
-        max_k = max(ks)
-        exp_tokens = sum(e[k] for e, k in zip(expected, ks, strict=True))
-        step_s = self._step_seconds(target_s, max_k, num_drafted) if models else target_s
+        step_s = (step_seconds(target_s, self.draft_cost(max(ks), num_drafted), self.pipelined)
+                  if models else target_s)
         # Explore steps are predicted from curves that have not measured them yet.
-        self._sample = (_PendingSample(models, step_s)
-                        if self.free_mode and quiet and not mode.startswith("explore") else None)
+        self._sample = (_PendingSample(models, step_s) if self.model_free_mode and quiet
+                        and not mode.startswith("explore") else None)
         hist: dict[str, int] = {}
         for k in ks:
             hist[str(k)] = hist.get(str(k), 0) + 1
-        self._last = {
-            "mode": mode, "models_on": models, "num_reqs": n, "num_drafted": num_drafted,
-            "decode_tokens": tokens, "total_tokens": total_tokens,
-            "background_tokens": self._background,
-            "expected_tokens": exp_tokens, "target_seconds": target_s, "step_seconds": step_s,
-            "mean_lookahead": sum(ks) / n, "histogram": hist,
-        }
-        return ks
-
-    @staticmethod
-    def _cumulative(model: AcceptanceModel, ids: list[str], caps: list[int]) -> list[list[float]]:
-        """Per request, ``q[j] = prod_{i<=j} p_i`` for ``j = 1..cap``."""
-        cum: list[list[float]] = []
-        for req_id, cap in zip(ids, caps, strict=True):
-            qs, q = [], 1.0
-            for p in model.request_acceptance(req_id)[:cap]:
-                q *= p
-                qs.append(q)
-            cum.append(qs)
-        return cum
-
-    def _decide(self, rate_models: float, rate_free: float) -> bool:
-        """Whether to draft with the model drafters, given both plans' predicted rates (each
-        corrected by its calibration)."""
-        if self._steps - self._switched_at < _MIN_DWELL_STEPS:
-            return self._models_on
-        rate_models *= self._calibration_models()
-        rate_free *= self.calibration_free.factor()
-        if self._models_on:
-            return rate_models >= rate_free
-        return rate_models > rate_free * (1.0 + _SWITCH_MARGIN)
-
-    def _calibration_models(self) -> float:
-        """The model plan's time factor, shrunk towards the other plan's: until the model plan
-        is measured, it is taken to pay the overhead both plans pay (the proposer's own
-        time), not to have none."""
-        return self.calibration.factor(self.calibration_free.factor())
-
-    def _greedy(self, cum: list[list[float]], caps: list[int], lows: list[int],
-                target: Callable[[float], float], drafting: bool) -> tuple[list[int], float]:
-        """The allocation with the best predicted rate along the greedy path, and that rate;
-        ``drafting``: the model drafters' time counts (see the class docstring)."""
-        ks = list(lows)
-        gains = [
-            (qs[j - 1], r, j)
-            for r, (qs, lo, cap) in enumerate(zip(cum, lows, caps, strict=True))
-            for j in range(lo + 1, cap + 1)
-        ]
-        # Stable sort by gain only: within a request gains never increase, so equal gains keep
-        # their (request, position) order and every prefix of the list is a valid allocation.
-        gains.sort(key=lambda g: -g[0])
-        # The rate counts the step's prefill tokens as work done, like its output tokens: where
-        # the target is compute-bound (prefill-heavy steps, a full token budget) a draft token
-        # costs as much as a prompt token, and only one likely to be accepted is worth it.
-        exp_tokens = self._background + sum(
-            1.0 + sum(qs[:lo]) for qs, lo in zip(cum, lows, strict=True))
-        tokens = self._background + sum(1 + lo for lo in lows)
-        num_drafted = sum(1 for lo in lows if lo > 0)
-        max_k = max(lows)
-        t0 = target(tokens)
-        if drafting:
-            t0 = self._step_seconds(t0, max_k, num_drafted)
-        best_rate = exp_tokens / max(t0, 1e-300)
-        best_len = 0
-        levels = list(lows)
-        # The loop below is _step_seconds inlined (it runs for every draft token of the batch).
-        c0, c1, c2 = self.draft_cost.coefficients
-        measured = drafting and self.draft_cost.num_observations > 0
-        pipelined = self.pipelined
-        threshold = best_rate * (1.0 + _MIN_RELATIVE_GAIN)
-        for idx, (g, r, j) in enumerate(gains, 1):
-            exp_tokens += g
-            tokens += 1
-            if levels[r] == 0:
-                num_drafted += 1
-            levels[r] = j
-            max_k = max(max_k, j)
-            t = target(tokens)
-            if measured:
-                d = c0 + max_k * (c1 + c2 * num_drafted)
-                t += (d - t if d > t else 0.0) if pipelined else d
-            rate = exp_tokens / max(t, 1e-300)
-            if rate > threshold:
-                best_rate, best_len = rate, idx
-                threshold = best_rate * (1.0 + _MIN_RELATIVE_GAIN)
-        for _, r, j in gains[:best_len]:
-            ks[r] = j
-        return ks, best_rate
+        return LookaheadPlan(
+            lookaheads=dict(zip(ids, ks, strict=True)),
+            expected=dict(zip(ids, expected, strict=True)), models=models, mode=mode,
+            num_drafted=num_drafted, decode_tokens=tokens, background_tokens=self._background,
+            expected_tokens=sum(e[k] for e, k in zip(expected, ks, strict=True)),
+            target_seconds=target_s, step_seconds=step_s, histogram=hist)
 
     def wait_bound(
         self, requests: Sequence[RequestView], ready: Sequence[int], max_wait_s: float
@@ -595,29 +486,19 @@ class AdaptiveLookahead:
         one more token, worth ``E_r(ready + 1) - E_r(ready)`` expected tokens. The batch now
         yields ``S`` tokens in ``T`` (the chosen lookaheads, late drafts cut to what is ready);
         waiting pays when ``(S + G) / (T + t_d) > S / T``: then the answer is ``t_d`` (clipped to
-        ``max_wait_s``), else 0. The proposer asks again after each drafter step, so a wait
-        stops as soon as the next token is not worth its time. In synchronous mode, or before
-        the drafters' speed was measured, it is ``max_wait_s``.
+        ``max_wait_s``), else 0 (:meth:`LookaheadPlan.wait_bound`, on the last :attr:`plan`).
+        The proposer asks again after each drafter step, so a wait stops as soon as the next
+        token is not worth its time. In synchronous mode, or before the drafters' speed was
+        measured, it is ``max_wait_s``.
         """
         _check_wait_args(requests, ready, max_wait_s)
         if not requests:
             return 0.0
-        t_d = self.draft_cost(1, max(1, self._last.get("num_drafted", len(requests))))
-        if not self.pipelined or not self._last or t_d <= 0:
+        plan = self.plan
+        t_d = self.draft_cost(1, max(1, plan.num_drafted if plan is not None else len(requests)))
+        if not self.pipelined or plan is None or t_d <= 0:
             return max_wait_s
-        s = float(self._last["expected_tokens"]) + float(self._last["background_tokens"])
-        gain = 0.0
-        for r, m in zip(requests, ready, strict=True):
-            e = self._expected.get(r.req_id)
-            k = self._chosen.get(r.req_id, 0)
-            if e is None or m >= k:
-                continue
-            s -= e[k] - e[m]  # what the late draft does not deliver now
-            gain += e[m + 1] - e[m]
-        t = float(self._last["step_seconds"])
-        if gain <= 0 or t <= 0 or (s + gain) / (t + t_d) <= s / t:
-            return 0.0
-        return min(t_d, max_wait_s)
+        return plan.wait_bound(requests, ready, max_wait_s, t_d)
 
     def snapshot(self) -> dict[str, Any]:
         glob = self.acceptance.global_acceptance()
@@ -625,20 +506,19 @@ class AdaptiveLookahead:
         for p in glob:
             q *= p
             e.append(e[-1] + q)
-        free = self.acceptance_free.global_acceptance()
+        free = self.acceptance_model_free.global_acceptance()
+        free_factor = self.calibration_model_free.factor()
+        last = self.plan.summary() if self.plan is not None else {}
+        # The keys are a metrics format: "free" keeps meaning model-free there.
         return {
             "policy": "adaptive",
             "pipelined": self.pipelined,
-            "free_mode": self.free_mode,
-            "models_on": self._models_on,
-            "switches": self.switches,
-            "retries": self.retries,
-            "retry_interval_steps": _RETRY_INTERVAL_STEPS << self._retry_backoff,
-            "retry_cost_s": round(self._retry_cost_s, 6),
+            "free_mode": self.model_free_mode,
+            **self.mode.snapshot(),
             "steps": self._steps,
-            "step_cost_free": self.step_cost_free.snapshot(),
-            "calibration": {"models": self.calibration.snapshot(self.calibration_free.factor()),
-                            "free": self.calibration_free.snapshot()},
+            "step_cost_free": self.step_cost_model_free.snapshot(),
+            "calibration": {"models": self.calibration.snapshot(free_factor),
+                            "free": self.calibration_model_free.snapshot()},
             "acceptance_free": [round(p, 4) for p in free],
             "step_cost": self.step_cost.snapshot(),
             "draft_cost": self.draft_cost.snapshot(),
@@ -650,5 +530,5 @@ class AdaptiveLookahead:
                 "requests_tracked": len(self.acceptance),
             },
             "last_choice": {k: (round(v, 9) if isinstance(v, float) else v)
-                            for k, v in self._last.items()},
+                            for k, v in last.items()},
         }

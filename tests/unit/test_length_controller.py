@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_smurfs import length_controller
+from vllm_smurfs import length_controller, lookahead_mode
 from vllm_smurfs.length_controller import (
     AcceptanceModel,
     AdaptiveLookahead,
@@ -725,7 +725,8 @@ def test_background_tokens_and_snapshot() -> None:
     assert "r0" not in pol.acceptance
 
 
-CONTROLLER_MODULES = ("length_controller", "lookahead_types", "acceptance", "step_costs")
+CONTROLLER_MODULES = ("length_controller", "lookahead_types", "acceptance", "step_costs",
+                      "lookahead_plan", "lookahead_mode")
 
 
 @pytest.mark.parametrize("module", CONTROLLER_MODULES)
@@ -802,10 +803,10 @@ def test_free_mode_leaves_model_drafters_out_when_they_cost_more_than_they_bring
     # ... retrying them for one dwell now and then (the load or the text may have changed),
     # less often after each retry that did not pay.
     runs = [(on, len(list(g))) for on, g in itertools.groupby(modes[250:-1])]
-    assert [n for on, n in runs if on][:2] == [length_controller._MIN_DWELL_STEPS] * 2
-    assert [n for on, n in runs if not on][1] == 2 * length_controller._RETRY_INTERVAL_STEPS
+    assert [n for on, n in runs if on][:2] == [lookahead_mode.MIN_DWELL_STEPS] * 2
+    assert [n for on, n in runs if not on][1] == 2 * lookahead_mode.RETRY_INTERVAL_STEPS
     assert sum(modes) / len(modes) < 0.05
-    assert pol.snapshot()["retry_interval_steps"] == 4 * length_controller._RETRY_INTERVAL_STEPS
+    assert pol.snapshot()["retry_interval_steps"] == 4 * lookahead_mode.RETRY_INTERVAL_STEPS
 
 
 def _retry_starts(modes: list[bool]) -> list[int]:
@@ -823,18 +824,18 @@ def test_free_mode_retries_cost_at_most_one_percent_of_the_time(full_s: float) -
     modes = _run_modes(pol, 8000, full_s=full_s, free_s=0.22, full_p=0.2, free_p=0.9,
                        free_len=3)
     starts = _retry_starts(modes)
-    price = length_controller._MIN_DWELL_STEPS * (full_s - 0.22)
-    dwell = length_controller._MIN_DWELL_STEPS
-    budget_steps = math.ceil((price / length_controller._RETRY_BUDGET - dwell * full_s) / 0.22)
+    price = lookahead_mode.MIN_DWELL_STEPS * (full_s - 0.22)
+    dwell = lookahead_mode.MIN_DWELL_STEPS
+    budget_steps = math.ceil((price / lookahead_mode.RETRY_BUDGET - dwell * full_s) / 0.22)
     # Steps from retry i to the next: its dwell, then 256 << (i + 1) steps without models, or
     # until the time since retry i began (its dwell at full_s, then steps at 0.22 s) reaches
     # 100x its price.
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    expected = [dwell + max(length_controller._RETRY_INTERVAL_STEPS << (i + 1), budget_steps)
+    expected = [dwell + max(lookahead_mode.RETRY_INTERVAL_STEPS << (i + 1), budget_steps)
                 for i in range(len(gaps))]
     assert len(starts) >= 2
     assert all(e <= g <= e + 2 for g, e in zip(gaps, expected, strict=True)), (gaps, expected)
-    next_gap = dwell + max(length_controller._RETRY_INTERVAL_STEPS << len(starts), budget_steps)
+    next_gap = dwell + max(lookahead_mode.RETRY_INTERVAL_STEPS << len(starts), budget_steps)
     assert starts[-1] + next_gap >= len(modes) - 2  # none skipped
     assert pol.snapshot()["retry_cost_s"] == pytest.approx(price)
     wasted = sum(full_s - 0.22 for on in modes[30:] if on)
@@ -866,7 +867,7 @@ def test_a_retry_waits_for_the_drafters_to_catch_up_then_measures_one_dwell() ->
     # After the pause the drafters re-prefill the requests for 20 steps (no model drafts yet);
     # the retry then measures a dwell of delivered drafts. Drafters that never catch up are
     # given at most _RETRY_MAX_STEPS.
-    dwell, cap = length_controller._MIN_DWELL_STEPS, length_controller._RETRY_MAX_STEPS
+    dwell, cap = lookahead_mode.MIN_DWELL_STEPS, lookahead_mode.RETRY_MAX_STEPS
     pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
     modes = _run_modes(pol, 400, full_s=0.32, free_s=0.22, full_p=0.2, free_p=0.9, free_len=3,
                        ready=lambda i: i >= 278)
@@ -885,11 +886,11 @@ def test_a_retry_that_pays_keeps_the_models_and_resets_the_interval() -> None:
     # then the text turns predictable for them: the next retry keeps them.
     pol = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
     modes = _run_modes(pol, 1300, full_s=0.25, free_s=0.22, full_p=0.1, free_p=0.5, free_len=2)
-    assert pol.snapshot()["retry_interval_steps"] == 4 * length_controller._RETRY_INTERVAL_STEPS
+    assert pol.snapshot()["retry_interval_steps"] == 4 * lookahead_mode.RETRY_INTERVAL_STEPS
     modes = _run_modes(pol, 1200, full_s=0.25, free_s=0.22, full_p=0.95, free_p=0.5,
                        free_len=2, seed=1)
     assert all(modes[-100:])
-    assert pol.snapshot()["retry_interval_steps"] == length_controller._RETRY_INTERVAL_STEPS
+    assert pol.snapshot()["retry_interval_steps"] == lookahead_mode.RETRY_INTERVAL_STEPS
 
 
 def test_free_mode_keeps_model_drafters_when_they_pay() -> None:
@@ -911,7 +912,7 @@ def test_free_mode_caps_lookaheads_at_what_the_voters_have_and_keeps_a_dwell() -
     pol2 = AdaptiveLookahead(6, free_mode=True, probe_interval=0)
     modes = _run_modes(pol2, 80, full_s=0.32, free_s=0.22, full_p=0.5, free_p=0.5, free_len=2)
     runs = [len(list(g)) for _, g in itertools.groupby(modes[3:])]
-    assert all(r >= length_controller._MIN_DWELL_STEPS for r in runs[:-1])
+    assert all(r >= lookahead_mode.MIN_DWELL_STEPS for r in runs[:-1])
     with pytest.raises(ValueError, match="free_lens"):
         pol.choose(_reqs(2), 6, [1])
 
@@ -958,7 +959,7 @@ def test_free_mode_charges_model_drafting_for_the_prefill_it_slows() -> None:
 
     # Both start without the model drafters (their acceptance unknown) and retry them once.
     assert all(modes(0)[-100:])
-    assert sum(modes(500)) <= length_controller._MIN_DWELL_STEPS
+    assert sum(modes(500)) <= lookahead_mode.MIN_DWELL_STEPS
 
 
 def _run_with_prefill(background: Callable[[int], int], cost: Callable[[int], float],
@@ -1034,7 +1035,7 @@ def test_free_mode_leaves_out_model_drafters_whose_steps_take_longer_than_predic
         pol.calibration = length_controller.StepTimeCalibration(prior_steps=1e12)
     modes = _run_modes(pol, 200, full_s=0.22, free_s=0.22, full_p=0.75, free_p=0.5,
                        free_len=3, full_overhead_s=0.3)
-    assert sum(modes[3:60]) >= length_controller._MIN_DWELL_STEPS  # tried after exploring
+    assert sum(modes[3:60]) >= lookahead_mode.MIN_DWELL_STEPS  # tried after exploring
     if calibrated:
         assert not any(modes[60:])
         calibration = pol.snapshot()["calibration"]
