@@ -55,6 +55,7 @@ from vllm_smurfs.lookahead_types import (
     _check_wait_args,
     room_for_drafts,
 )
+from vllm_smurfs.model_drafting import ModelDrafting
 from vllm_smurfs.step_costs import (
     _DEFAULT_COST_WINDOW,
     _DEFAULT_DRAFT_WINDOW,
@@ -219,6 +220,7 @@ class AdaptiveLookahead:
         probe_interval: int = _DEFAULT_PROBE_INTERVAL,
         model_free_mode: bool = False,
         free_mode: bool | None = None,
+        drafting: ModelDrafting | None = None,
     ) -> None:
         """See the module constants for the defaults' justification.
 
@@ -230,6 +232,10 @@ class AdaptiveLookahead:
         how long its steps took, the proposer's own time included, against their predicted
         time (:class:`StepTimeCalibration`; sampled in steps without prompt chunks, and for
         the model plan only once the drafters have caught up after a switch).
+
+        ``drafting``: the proposer's record of whether the model drafters draft (they may be
+        switched off for a step the policy gave them: a prompt-heavy one); shown in the snapshot.
+        What ran reaches the model through `StepTiming.drafting`; `models_on` stays the plan.
 
         Raises:
             ValueError: naming the setting, when ``max_lookahead < 1``, ``min_lookahead`` is not
@@ -265,6 +271,7 @@ class AdaptiveLookahead:
         self.calibration = StepTimeCalibration()
         self.calibration_model_free = StepTimeCalibration()
         self.mode = DrafterModeController()
+        self.drafting = drafting
         self._sample: _PendingSample | None = None
         self._steps = 0  # choose() calls with at least one request
         self._explored_low = False
@@ -531,4 +538,5 @@ class AdaptiveLookahead:
             },
             "last_choice": {k: (round(v, 9) if isinstance(v, float) else v)
                             for k, v in last.items()},
+            **({"model_drafting": self.drafting.snapshot()} if self.drafting is not None else {}),
         }

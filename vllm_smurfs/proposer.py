@@ -25,6 +25,7 @@ import numpy as np
 from vllm_smurfs import cores
 from vllm_smurfs.config import SmurfsConfig
 from vllm_smurfs.metrics import DrafterStats, SmurfsStats
+from vllm_smurfs.model_drafting import ModelDrafting
 from vllm_smurfs.length_controller import (
     AdaptiveLookahead,
     DraftTiming,
@@ -83,17 +84,19 @@ class _RequestState:
     models: bool = False
 
 
-def make_policy(config: SmurfsConfig) -> LookaheadPolicy:
-    """The lookahead policy ``config.lookahead`` asks for (drafting with process drafters)."""
+def make_policy(config: SmurfsConfig, drafting: ModelDrafting | None = None) -> LookaheadPolicy:
+    """The lookahead policy ``config.lookahead`` asks for (drafting with process drafters);
+    ``drafting``: the record of whether the model drafters draft, for the adaptive policy."""
     if config.lookahead.policy == "fixed":
         return FixedLookahead(config.num_speculative_tokens)
     return AdaptiveLookahead(config.num_speculative_tokens,
                              min_lookahead=config.lookahead.min_tokens,
                              pipelined=config.pipeline,
                              # min_tokens >= 1 asks for model drafts in every step.
-                             free_mode=config.lookahead.pause_drafters
+                             model_free_mode=config.lookahead.pause_drafters
                              and bool(config.model_drafters)
-                             and config.lookahead.min_tokens == 0)
+                             and config.lookahead.min_tokens == 0,
+                             drafting=drafting)
 
 
 def in_worker_mode(config: SmurfsConfig) -> bool:
@@ -136,7 +139,10 @@ class SmurfsProposer:
         model_config = vllm_config.model_config
         self.num_speculative_tokens = self.config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len
-        self.policy = make_policy(self.config)
+        # Whether the model drafters draft: the one record, which the policy, the drafter pool
+        # (and through it the target's lent cores) consult or are told by.
+        self.model_drafting = ModelDrafting()
+        self.policy = make_policy(self.config, self.model_drafting)
         self.in_worker_mode = in_worker_mode(self.config)
         self.planner = make_planner(self.config)
         self.rule = WeightUpdateRule(**self.config.vote.model_dump())
@@ -162,10 +168,8 @@ class SmurfsProposer:
             path = self.config.trace_file
             self._trace = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
             weakref.finalize(self, self._trace.close)  # when the engine lets the proposer go
+        self.model_drafting.subscribe(self.worker.use_models)
         self._last_req_ids: frozenset[str] = frozenset()
-        # Consecutive steps with model drafting, up to now (0: the last step had none, and the
-        # first step that gives them work makes the target lend them its shared cores).
-        self._drafting_steps = 0
         # Requests that were running when the model drafters (re)started and that they have not
         # delivered a draft for since: they are re-prefilling them (a paused drafter drops its
         # requests), so a lookahead they leave undelivered is the switch's one-off cost, not
@@ -198,16 +202,9 @@ class SmurfsProposer:
         step gets the cores back first: the model drafters pause (their drafts for it are
         taken already) and the step counts as one without them.
         """
-        if prompt_tokens > 0 and self._drafting_steps > 0 and self.worker.lends_cores:
-            self._use_models(False)
-            self._drafting_steps = 0
+        if prompt_tokens > 0 and self.worker.lends_cores and self.model_drafting.take_back():
+            self._catching_up = set()
             self.stats.prefill_takebacks += 1
-
-    def _use_models(self, on: bool, req_ids: Iterable[str] = ()) -> None:
-        """Start (``req_ids``: the requests running, which the drafters must catch up with) or
-        pause the model drafters, lending or taking back the cores they share."""
-        self.worker.use_models(on)
-        self._catching_up = set(req_ids) if on else set()
 
     @property
     def in_worker_drafters(self) -> list[Any]:
@@ -251,7 +248,7 @@ class SmurfsProposer:
             step_s = called - self._returned_at
             self.stats.target_step_s += step_s
             timing = StepTiming(len(step.req_ids), step.num_scheduled_tokens, step_s,
-                                drafting=self._drafting_steps > 0, overhead_s=self._overhead_s)
+                                drafting=self.model_drafting.on, overhead_s=self._overhead_s)
             if self.planner is not None:
                 self.planner.observe_step(timing)
             else:
@@ -306,9 +303,10 @@ class SmurfsProposer:
         # Model drafters draft (and borrow the cores they share with the target) only for a
         # step the policy gives to them and that drafts anything.
         models = (self.policy.models_on and any(lookaheads) and self.worker.models_alive)
-        if models != (self._drafting_steps > 0):
-            self._use_models(models, (view.req_id for view in views))
-        self._drafting_steps = self._drafting_steps + 1 if models else 0
+        # A switch starts (the drafters must catch up with the requests running) or pauses
+        # them; the pool is told by `model_drafting` and lends or takes back the shared cores.
+        if self.model_drafting.step(models):
+            self._catching_up = {view.req_id for view in views} if models else set()
         self.stats.steps_without_models += not models
         chosen = [(i, view, k, context, per) for i, view, k, context, per
                   in zip(rows, views, lookaheads, contexts, free) if k > 0]
@@ -566,7 +564,7 @@ class SmurfsProposer:
                                          fb.num_accepted if fb else 0))
         line = TraceStep(self.stats.steps, time.monotonic(), step_s, step.num_scheduled_tokens,
                          tuple(requests), tuple(draft_timings),
-                         drafting=self._drafting_steps > 0).to_dict()
+                         drafting=self.model_drafting.on).to_dict()
         if self._plan_record is not None:
             line["plan"] = self._plan_record  # in-worker drafting: what the last step planned
         self._trace.write(json.dumps(line, separators=(",", ":")) + "\n")

@@ -726,7 +726,7 @@ def test_background_tokens_and_snapshot() -> None:
 
 
 CONTROLLER_MODULES = ("length_controller", "lookahead_types", "acceptance", "step_costs",
-                      "lookahead_plan", "lookahead_mode")
+                      "lookahead_plan", "lookahead_mode", "model_drafting")
 
 
 @pytest.mark.parametrize("module", CONTROLLER_MODULES)

@@ -93,3 +93,18 @@ def test_wait_bound_reads_the_last_plan() -> None:
     # The answer is the plan's, with t_d from the drafters' cost model.
     t_d = pol.draft_cost(1, max(1, pol.plan.num_drafted))
     assert pol.wait_bound([a], [0], 0.5) == pol.plan.wait_bound([a], [0], 0.5, t_d)
+
+
+def test_model_drafting_is_one_record_that_tells_its_listeners() -> None:
+    from vllm_smurfs.model_drafting import ModelDrafting
+
+    drafting, told = ModelDrafting(), []
+    drafting.subscribe(told.append)
+    assert not drafting.on and not drafting.take_back()
+    assert drafting.step(True) and drafting.steps_on == 1
+    assert not drafting.step(True) and drafting.steps_on == 2
+    assert drafting.take_back() and not drafting.on and drafting.take_backs == 1
+    assert not drafting.step(False)
+    assert told == [True, False]
+    pol = AdaptiveLookahead(4, drafting=drafting)
+    assert pol.snapshot()["model_drafting"] == drafting.snapshot()

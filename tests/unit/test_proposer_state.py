@@ -261,3 +261,17 @@ def test_lookahead_no_drafter_delivered_counts_as_rejected_for_the_policy(propos
     assert proposer.policy.ready == [True, False, True, True]
     stats = proposer.stats  # the reported acceptance stays about verified tokens
     assert (stats.verified_draft_tokens, stats.accepted_tokens) == (4, 2)
+
+
+def test_prompt_heavy_steps_take_the_cores_back_through_the_one_record(monkeypatch):
+    p = make_proposer(monkeypatch, lookahead={"policy": "adaptive"})
+    p.worker.lends_cores = True
+    step(p, ["a"], [[1]], [10])
+    assert p.model_drafting.on and p.worker.models_used == [True]
+    p.before_forward(0)  # no prompt chunk: nothing to take back
+    assert p.model_drafting.on
+    p.before_forward(32)
+    # The pool is told, and the policy sees it through the same record.
+    assert not p.model_drafting.on and p.worker.models_used == [True, False]
+    assert p.stats.prefill_takebacks == 1
+    assert p.policy.snapshot()["model_drafting"]["take_backs"] == 1
