@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +25,7 @@ from vllm_smurfs.length_controller import (
     StepFeedback,
     StepTiming,
 )
+from vllm_smurfs.trace_report import compare, format_summary, format_table, main, summarize
 from vllm_smurfs.trace_sim import (
     NoSpeculation,
     ReplayRequest,
@@ -31,15 +34,10 @@ from vllm_smurfs.trace_sim import (
     TraceRequest,
     TraceStep,
     acc_from_agreement,
-    compare,
     default_policies,
     fit_draft_cost,
-    format_summary,
-    format_table,
-    main,
     read_trace,
     reconstruct,
-    summarize,
     replay,
     simulate,
     synthetic_trace,
@@ -709,5 +707,15 @@ def test_module_imports_no_engine() -> None:
         elif isinstance(node, ast.ImportFrom):
             roots.add(node.module or "")
     allowed = {"numpy", "__future__", "vllm_smurfs.length_controller", "vllm_smurfs.step_costs",
-               "vllm_smurfs.trace"}
+               "vllm_smurfs.trace", "vllm_smurfs.trace_report"}  # the CLI, under __main__
     assert {r for r in roots if r.split(".")[0] not in sys.stdlib_module_names} <= allowed
+
+
+def test_the_runtime_does_not_import_the_simulator() -> None:
+    # The proposer writes traces (`trace`); replaying them is offline work, never the engine's.
+    code = ("import sys, vllm_smurfs.proposer; "
+            "print(sorted(m for m in sys.modules if m.startswith('vllm_smurfs.trace')))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env)
+    assert out.stdout.strip() == "['vllm_smurfs.trace']"
