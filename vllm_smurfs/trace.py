@@ -18,8 +18,9 @@ Trace format: JSON lines, one object per target step, written by the proposer (`
   record at most 64 per step (:data:`vllm_smurfs.trace_sim.MAX_DRAFT_RECORDS`).
 * ``drafting`` (optional): whether the model drafters drafted during the step (with
   ``lookahead.pause_drafters`` the controller leaves them out of most steps where they do not
-  pay; such a step may be faster, the target then having the cores it lends them). Replays do
-  not model that choice: they fit one cost curve on all steps and draft with the drafters.
+  pay; such a step may be faster, the target then having the cores it lends them). Replays
+  take such steps' drafts as the model-free voters' and their times as a cost curve of their
+  own, and let the policy choose the mode again (`trace_sim.replay`).
 
 Steps without requests are allowed (e.g. pure prefill steps); they only add cost samples.
 

@@ -24,6 +24,8 @@ from vllm_smurfs.trace_sim import (
     StepCostCurve,
     default_policies,
     fit_draft_cost,
+    fit_model_free_cost,
+    has_model_free_steps,
     reconstruct,
     replay,
 )
@@ -44,9 +46,11 @@ def compare(
     requests = reconstruct(trace)
     curve = StepCostCurve.from_trace(trace)
     dcost = fit_draft_cost(trace)
+    free_cost = fit_model_free_cost(trace)
     rows = []
     for c in concurrencies:
-        results = {name: replay(requests, factory, c, pipelined, curve, dcost, max_lookahead)
+        results = {name: replay(requests, factory, c, pipelined, curve, dcost, max_lookahead,
+                                     step_cost_model_free=free_cost)
                    for name, factory in policies.items()}
         base = results["k=0"].tokens_per_second if "k=0" in results else None
         for name, r in results.items():
@@ -195,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(trace)} steps, {len(requests)} requests, "
           f"{sum(r.length for r in requests)} tokens; cost curve over "
           f"{curve.lo:.0f}..{curve.hi:.0f} tokens; conflicts {sum(r.conflicts for r in requests)}")
-    rows = compare(trace, default_policies(args.max_lookahead, not args.sync),
+    rows = compare(trace, default_policies(args.max_lookahead, not args.sync,
+                                     has_model_free_steps(trace)),
                    args.concurrency, not args.sync, args.max_lookahead)
     print(format_table(rows))
     return 0

@@ -107,6 +107,8 @@ __all__ = [
     "acc_from_agreement",
     "default_policies",
     "fit_draft_cost",
+    "fit_model_free_cost",
+    "has_model_free_steps",
     "read_trace",
     "reconstruct",
     "replay",
@@ -148,6 +150,11 @@ class ReplayRequest:
     acc: np.ndarray  # acc[x]: tokens a draft starting at output position x gets accepted
     agree: np.ndarray | None = None  # 1 / 0 / -1 (unknown) before imputation, when reconstructed
     conflicts: int = 0  # positions observed both agreeing and disagreeing (non-greedy trace)
+    # The model-free voters at output position x (None: unknown, they never draft): the tokens
+    # they have ready, and how many of them the target accepts (from steps without model
+    # drafting: `TraceStep.drafting` False).
+    free_len: np.ndarray | None = None
+    free_acc: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -182,30 +189,50 @@ def reconstruct(trace: Sequence[TraceStep]) -> list[ReplayRequest]:
     """Per request (in order of first appearance) the agreement and accepted runs, see module doc.
 
     Positions are relative to the request's first recorded step; its length is the furthest
-    position the trace shows it producing (``position + accepted + 1`` of its steps).
+    position the trace shows it producing (``position + accepted + 1`` of its steps). Steps
+    recorded without model drafting (``drafting`` False) are the model-free voters' drafts: they
+    give the request's ``free_acc`` the same way, and ``free_len`` (the draft lengths seen,
+    imputed like the agreement), instead of the model drafters' agreement.
     """
-    per_req: dict[str, list[TraceRequest]] = {}
+    per_req: dict[str, list[tuple[TraceRequest, bool]]] = {}
     for s in trace:
         for r in s.requests:
-            per_req.setdefault(r.req_id, []).append(r)
+            per_req.setdefault(r.req_id, []).append((r, s.drafting is False))
     out = []
     for req_id, obs in per_req.items():
-        base = min(r.position for r in obs)
-        length = max(r.position - base + r.accepted + 1 for r in obs)
-        agree = np.full(length, -1, dtype=np.int8)
-        conflicts = 0
-        for r in obs:
-            p = r.position - base
-            marks = [(p + j, 1) for j in range(r.accepted)]
-            if r.accepted < r.k:
-                marks.append((p + r.accepted, 0))
-            for x, v in marks:
-                if agree[x] < 0:
-                    agree[x] = v
-                elif agree[x] != v:
-                    conflicts += 1  # keep the first observation
-        out.append(ReplayRequest(req_id, acc_from_agreement(_impute(agree)), agree, conflicts))
+        base = min(r.position for r, _ in obs)
+        length = max(r.position - base + r.accepted + 1 for r, _ in obs)
+        agree, conflicts = _agreement([r for r, free in obs if not free], base, length)
+        free = [r for r, free in obs if free]
+        free_len = free_acc = None
+        if free:
+            free_agree, more = _agreement(free, base, length)
+            conflicts += more
+            free_acc = acc_from_agreement(_impute(free_agree))
+            lens = np.full(length, -1, dtype=np.int16)
+            for r in free:
+                lens[r.position - base] = max(lens[r.position - base], r.k)
+            free_len = _impute(lens)
+        out.append(ReplayRequest(req_id, acc_from_agreement(_impute(agree)), agree, conflicts,
+                                 free_len, free_acc))
     return out
+
+
+def _agreement(obs: Sequence[TraceRequest], base: int, length: int) -> tuple[np.ndarray, int]:
+    """1 / 0 / -1 (unknown) per position from the observed drafts, and the conflicts."""
+    agree = np.full(length, -1, dtype=np.int8)
+    conflicts = 0
+    for r in obs:
+        p = r.position - base
+        marks = [(p + j, 1) for j in range(r.accepted)]
+        if r.accepted < r.k:
+            marks.append((p + r.accepted, 0))
+        for x, v in marks:
+            if agree[x] < 0:
+                agree[x] = v
+            elif agree[x] != v:
+                conflicts += 1  # keep the first observation
+    return agree, conflicts
 
 
 # ---------------------------------------------------------------------------------------- costs
@@ -274,9 +301,9 @@ def fit_draft_cost(trace: Sequence[TraceStep]) -> DraftCostModel | None:
 
 
 class NoSpeculation:
-    """Never drafts (the k=0 baseline); implements the lookahead policy protocol."""
+    """Never drafts (the k=0 baseline); implements :class:`LookaheadPolicy`."""
 
-    def observe(self, feedback: Sequence[StepFeedback]) -> None:
+    def observe(self, feedback: Sequence[StepFeedback], models_ready: bool = True) -> None:
         return None
 
     def observe_step(self, timing: StepTiming) -> None:
@@ -285,8 +312,13 @@ class NoSpeculation:
     def observe_draft(self, timing: DraftTiming) -> None:
         return None
 
-    def choose(self, requests: Sequence[RequestView], max_lookahead: int) -> list[int]:
+    def choose(self, requests: Sequence[RequestView], max_lookahead: int,
+               free_lens: Sequence[int] | None = None) -> list[int]:
         return [0] * len(requests)
+
+    @property
+    def models_on(self) -> bool:
+        return False  # nothing is drafted, by model drafters or otherwise
 
     def wait_bound(self, requests: Sequence[RequestView], ready: Sequence[int],
                    max_wait_s: float) -> float:
@@ -387,6 +419,7 @@ def replay(
     max_wait_s: float = math.inf,
     noise: float = 0.0,
     seed: int = 0,
+    step_cost_model_free: Callable[[int], float] | None = None,
 ) -> SimResult:
     """Replay ``requests`` under a fresh policy; see the module docstring.
 
@@ -394,6 +427,12 @@ def replay(
     ``draft_cost(1, R)``, one drafter engine step, is used); ``max_wait_s`` bounds a pipelined
     step's wait for its drafts; ``noise`` is the sigma of a log-normal factor on every target
     step (seeded by ``seed``).
+
+    Requests with model-free data (``free_len``, from steps recorded without model drafting)
+    make the replay offer the policy their ``free_lens`` every step; a step it then plans
+    without the model drafters (``policy.models_on`` False) verifies the voters' drafts, costs
+    no drafter time, is priced on ``step_cost_model_free`` (default: ``step_cost``) and lets the
+    drafters' paths go: they restart when the model drafters are back.
 
     Raises:
         ValueError: on a bad setting, or when the policy returns a lookahead out of bounds.
@@ -412,18 +451,34 @@ def replay(
     active: list[_Slot] = []
     res = SimResult(concurrency, pipelined, 0, 0.0, 0, 0, 0, 0, 0.0, 0)
     prev_target = 0.0
+    # Model-free drafting is replayed only where the trace recorded it.
+    model_free = any(r.free_len is not None for r in requests)
+    models_before = True
     while pending or active:
         while len(active) < concurrency and pending:
             active.append(_Slot(pending.popleft()))
         views = [RequestView(s.req.req_id, s.pos, s.req.length) for s in active]
-        ks = [int(k) for k in policy.choose(views, max_lookahead)]
+        if model_free:
+            free_lens = [0 if s.req.free_len is None else int(s.req.free_len[s.pos])
+                         for s in active]
+            ks = [int(k) for k in policy.choose(views, max_lookahead, free_lens)]
+            # As the proposer: the model drafters draft when the plan has them and drafts.
+            models = bool(policy.models_on) and any(ks)
+            if models and not models_before:
+                for slot in active:  # the drafters were paused: each path restarts
+                    slot.path, slot.stale = -2, False
+            models_before = models
+        else:
+            ks = [int(k) for k in policy.choose(views, max_lookahead)]
+            models = True
         if len(ks) != len(views):
             raise ValueError(f"policy returned {len(ks)} lookaheads for {len(views)} requests")
         for v, k in zip(views, ks, strict=True):
             if not 0 <= k <= min(max_lookahead, room_for_drafts(v)):
                 raise ValueError(f"policy chose k={k} for {v} with max_lookahead={max_lookahead}")
         drafted = [i for i, k in enumerate(ks) if k > 0]
-        t_d = float(draft_cost(1, len(drafted))) if drafted and draft_cost is not None else 0.0
+        t_d = (float(draft_cost(1, len(drafted)))
+               if models and drafted and draft_cost is not None else 0.0)
         paths = [s.path for s in active]  # uncapped, during this step
         ready = list(ks)
         wait = 0.0
@@ -469,7 +524,8 @@ def replay(
         if engine_steps:
             drafts = (DraftTiming(len(drafted), 1, t_d),) * min(engine_steps, MAX_DRAFT_RECORDS)
         num_tokens = sum(1 + v for v in ready)
-        target = float(step_cost(num_tokens))
+        cost = step_cost if models or step_cost_model_free is None else step_cost_model_free
+        target = float(cost(num_tokens))
         if noise:
             target *= float(np.exp(noise * rng.standard_normal()))
         res.total_seconds += target + wait
@@ -477,7 +533,7 @@ def replay(
         feedback, step_reqs, finished = [], [], []
         for i, (slot, v, path) in enumerate(zip(active, ready, paths, strict=True)):
             r, pos = slot.req, slot.pos
-            run = int(r.acc[pos])
+            run = int(r.acc[pos] if models or r.free_acc is None else r.free_acc[pos])
             a = min(v, run)
             step_reqs.append(TraceRequest(r.req_id, pos, v, a))
             if v:
@@ -485,16 +541,16 @@ def replay(
             res.total_tokens += a + 1
             res.drafted_tokens += v
             res.accepted_tokens += a
-            if pipelined:
+            if pipelined and models:
                 _advance_path(slot, path, a, run, ks[i] > 0, i in restarting)
             slot.pos = pos + a + 1
             if slot.pos >= r.length:
                 finished.append(r.req_id)
         res.steps.append(TraceStep(res.num_steps, res.total_seconds, target, num_tokens,
-                                   tuple(step_reqs), drafts))
+                                   tuple(step_reqs), drafts, models if model_free else None))
         res.num_steps += 1
         res.request_steps += len(active)
-        policy.observe_step(StepTiming(len(active), num_tokens, target))
+        policy.observe_step(StepTiming(len(active), num_tokens, target, drafting=models))
         for d in drafts:
             policy.observe_draft(d)
         policy.observe(feedback)
@@ -515,16 +571,32 @@ def simulate(
     max_lookahead: int = 8,
     max_wait_s: float = math.inf,
 ) -> SimResult:
-    """Reconstruct ``trace`` and replay it under ``policy_factory`` (costs fitted on the trace)."""
+    """Reconstruct ``trace`` and replay it under ``policy_factory`` (costs fitted on the trace;
+    steps recorded without model drafting, if any, get a curve of their own)."""
     return replay(reconstruct(trace), policy_factory, concurrency, pipelined,
                   StepCostCurve.from_trace(trace), fit_draft_cost(trace), max_lookahead,
-                  max_wait_s)
+                  max_wait_s, step_cost_model_free=fit_model_free_cost(trace))
 
 
-def default_policies(max_lookahead: int, pipelined: bool = True) -> dict[str, PolicyFactory]:
-    """adaptive, k=0 (no speculation) and fixed k=1..max_lookahead."""
+def fit_model_free_cost(trace: Sequence[TraceStep]) -> StepCostCurve | None:
+    """The cost curve of the steps recorded without model drafting; None without any."""
+    steps = [s for s in trace if s.drafting is False and s.num_tokens >= 1]
+    return StepCostCurve.from_trace(steps) if steps else None
+
+
+def has_model_free_steps(trace: Sequence[TraceStep]) -> bool:
+    """Whether the trace recorded steps without model drafting (the policy can be replayed
+    choosing between the two modes)."""
+    return any(s.drafting is False for s in trace)
+
+
+def default_policies(max_lookahead: int, pipelined: bool = True,
+                     model_free_mode: bool = False) -> dict[str, PolicyFactory]:
+    """adaptive, k=0 (no speculation) and fixed k=1..max_lookahead; ``model_free_mode``: the
+    adaptive policy may leave the model drafters out (as served with ``pause_drafters``)."""
     pols: dict[str, PolicyFactory] = {
-        "adaptive": lambda: AdaptiveLookahead(max_lookahead, pipelined=pipelined),
+        "adaptive": lambda: AdaptiveLookahead(max_lookahead, pipelined=pipelined,
+                                              model_free_mode=model_free_mode),
         "k=0": NoSpeculation,
     }
     for k in range(1, max_lookahead + 1):

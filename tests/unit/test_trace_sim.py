@@ -719,3 +719,32 @@ def test_the_runtime_does_not_import_the_simulator() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env)
     assert out.stdout.strip() == "['vllm_smurfs.trace']"
+
+
+def test_no_speculation_is_a_lookahead_policy() -> None:
+    from vllm_smurfs.length_controller import LookaheadPolicy
+
+    assert isinstance(NoSpeculation(), LookaheadPolicy) and not NoSpeculation().models_on
+
+
+def test_model_free_steps_are_reconstructed_apart_and_replayed() -> None:
+    from vllm_smurfs.length_controller import AdaptiveLookahead
+
+    # Recorded: model steps (rejected at once) and model-free steps (2 of 3 accepted).
+    trace = [TraceStep(0, 0.1, 0.1, 4, (TraceRequest("a", 0, 3, 0),), drafting=True),
+             TraceStep(1, 0.2, 0.01, 4, (TraceRequest("a", 1, 3, 2),), drafting=False)]
+    (req,) = reconstruct(trace)
+    assert req.free_len is not None and req.free_acc is not None
+    assert list(req.free_len) == [3, 3, 3, 3] and list(req.free_acc[1:3]) == [2, 1]
+    assert list(req.acc) == [0, 0, 0, 0]  # the model drafts' agreement, not the voters'
+    # The real policy, free to leave the model drafters out: they never pay here.
+    length = 300
+    reqs = [ReplayRequest(f"r{i}", np.zeros(length, dtype=np.int64), None, 0,
+                          np.full(length, 3), acc_from_agreement(np.ones(length)))
+            for i in range(4)]
+    res = replay(reqs, lambda: AdaptiveLookahead(4, model_free_mode=True), 4, True, _hinge,
+                 _draft, max_lookahead=4, step_cost_model_free=lambda n: 0.5 * _hinge(n))
+    modes = [s.drafting for s in res.steps]
+    assert modes.count(False) > 0.8 * len(modes)  # settled without the model drafters
+    assert res.accepted_tokens > 2 * len(modes)  # the voters' drafts were verified
+    assert res.final_snapshot["free_mode"] is True and res.final_snapshot["retries"] >= 0
