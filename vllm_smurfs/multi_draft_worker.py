@@ -61,8 +61,11 @@ class ModelFreeDrafter:
         return self._voter.propose(request.context, request.k)
 
 
-class MultiDraftWorker:
-    """Every drafter's drafts for every request; the vote happens in the proposer."""
+class DrafterPool:
+    """Every drafter's drafts for every request; the vote happens in the proposer.
+
+    Not a vLLM worker (it was called ``MultiDraftWorker``): the proposer's pool of drafters,
+    model-free voters, in-worker drafters and process drafters' clients."""
 
     def __init__(self, config: SmurfsConfig, dtype: str, max_model_len: int, max_num_seqs: int,
                  trust_remote_code: bool = False,
@@ -277,3 +280,7 @@ def _place_drafters(config: SmurfsConfig) -> tuple[int, dict[int, tuple[list[int
         shares_turns = bound is not None and not config.pipeline and set(cpus) <= set(bound)
         out[index] = (cpus, borrowed, spec.num_threads or (threads if shares_turns else 1))
     return threads, out
+
+
+#: The old name, kept for one release.
+MultiDraftWorker = DrafterPool

@@ -3,7 +3,7 @@
 vLLM builds it as a ``custom_class`` proposer in the worker and calls `propose` after every target
 step. Per step it (1) scores every drafter's previous draft against the tokens the target
 produced and updates the vote weights, (2) asks the length policy for each request's lookahead,
-(3) gets each drafter's draft from the `MultiDraftWorker`, and (4) returns the weighted
+(3) gets each drafter's draft from the `DrafterPool`, and (4) returns the weighted
 prefix-tree vote per request. The algorithms live in `vote_sampler` and `length_controller`.
 
 Verification is vLLM's own rejection sampler with the draft treated as one-hot: greedy output is
@@ -36,7 +36,7 @@ from vllm_smurfs.length_controller import (
     StepTiming,
     room_for_drafts,
 )
-from vllm_smurfs.multi_draft_worker import DraftRequest, MultiDraftWorker
+from vllm_smurfs.multi_draft_worker import DraftRequest, DrafterPool
 from vllm_smurfs.step_planner import DrafterOutcome, Plan, PlanRequest, StepPlanner
 from vllm_smurfs.trace import TraceRequest, TraceStep
 from vllm_smurfs.vote_sampler import (
@@ -147,7 +147,7 @@ class SmurfsProposer:
         self.planner = make_planner(self.config)
         self.rule = WeightUpdateRule(**self.config.vote.model_dump())
         self.global_weights = DrafterWeights([d.weight for d in self.config.drafters], self.rule)
-        self.worker = MultiDraftWorker(
+        self.worker = DrafterPool(
             self.config,
             dtype=str(model_config.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,

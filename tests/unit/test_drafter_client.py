@@ -15,7 +15,7 @@ from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
 from vllm_smurfs.drafter_protocol import Forget, Pause, StepFailed, Track, Update
 from vllm_smurfs.drafter_server import PathDrafter
 from vllm_smurfs.drafter_client import MAX_MESSAGES_IN_FLIGHT, ModelDrafterClient
-from vllm_smurfs.multi_draft_worker import DraftRequest, MultiDraftWorker
+from vllm_smurfs.multi_draft_worker import DraftRequest, DrafterPool
 
 
 def ctx(*tokens):
@@ -215,7 +215,7 @@ def test_a_closed_connection_leaves_the_drafter_out(client_and_server):
 def test_free_drafts_taken_at_the_longest_lookahead_serve_every_shorter_one():
     config = SmurfsConfig.from_user_dict({"method": "smurfs", "num_speculative_tokens": 6,
                                           "drafters": [{"method": "ngram"}]})
-    worker = MultiDraftWorker(config, dtype="float32", max_model_len=64, max_num_seqs=4)
+    worker = DrafterPool(config, dtype="float32", max_model_len=64, max_num_seqs=4)
     text = ctx(1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3)
     (free,) = worker.free_drafts([DraftRequest("r", text, 6)])
     assert free == [[4, 5, 6, 7, 8, 9]]

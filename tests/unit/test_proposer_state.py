@@ -71,7 +71,7 @@ class ScriptedWorker:
 
 
 def make_proposer(monkeypatch, **extra):
-    monkeypatch.setattr(proposer_module, "MultiDraftWorker", ScriptedWorker)
+    monkeypatch.setattr(proposer_module, "DrafterPool", ScriptedWorker)
     smurfs = {"method": "smurfs", "num_speculative_tokens": K, "log_stats_interval_s": 0,
               "lookahead": {"policy": "fixed"},
               "drafters": [{"model": "/a", "placement": "process"},
