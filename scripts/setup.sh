@@ -6,8 +6,8 @@
 # Environment:
 #   SMURFS_VENV    venv path (default: <project root>/.venv)
 #   SMURFS_PYTHON  interpreter used to create the venv (default: python3)
-#   SMURFS_EXTRAS  extras to install (default: cpu,test,bench; on a GPU
-#                  machine use gpu,test,bench)
+#   SMURFS_EXTRAS  extras to install (default: cpu,test,bench,ray; on a GPU
+#                  machine use gpu,test,bench,ray)
 #   SMURFS_FORCE=1 reinstall even if the venv looks current
 #
 # Idempotent: when the venv imports `vllm_smurfs` and `vllm` from this checkout
@@ -19,7 +19,7 @@ t_start=$(date +%s%N)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SMURFS_VENV:-$ROOT/.venv}"
 PYTHON="${SMURFS_PYTHON:-python3}"
-EXTRAS="${SMURFS_EXTRAS:-cpu,test,bench}"
+EXTRAS="${SMURFS_EXTRAS:-cpu,test,bench,ray}"
 # Bump to force a reinstall everywhere when the install recipe changes.
 STAMP_VERSION=1
 STAMP_FILE="$VENV/.smurfs-setup-stamp"

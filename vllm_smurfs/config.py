@@ -36,8 +36,11 @@ class _Strict(BaseModel):
 
 #: Where a model drafter runs: in the target's worker (vLLM's draft-model machinery: its KV cache
 #: beside the target's, its forwards on the target's threads), or as its own vLLM engine in its own
-#: process (streaming drafts ahead; pays where it runs beside the target: a spare core or device).
-PLACEMENTS = ("worker", "process")
+#: process (streaming drafts ahead; pays where it runs beside the target: a spare core or device),
+#: or as that engine in a Ray actor (on another core, device or node; `ray_drafter`).
+PLACEMENTS = ("worker", "process", "ray")
+#: Placements whose drafter is an engine of its own that streams drafts (`drafter_server`).
+STREAMING_PLACEMENTS = ("process", "ray")
 #: Settings of a process drafter's own engine: meaningless for an in-worker drafter.
 PROCESS_ONLY_KEYS = ("kv_cache_gib", "gpu_memory_utilization", "num_threads", "cpus",
                      "prefill_chunk_tokens")
@@ -50,13 +53,20 @@ class ModelDrafterConfig(_Strict):
         default="draft_model", description="Drafter kind; omit it for a model drafter."
     )
     model: str = Field(description="Local path (or hub name) of the draft model.")
-    placement: Literal["worker", "process"] = Field(
+    placement: Literal["worker", "process", "ray"] = Field(
         default="worker",
         description="'worker': in the target's worker, on vLLM's draft-model machinery (its KV "
         "cache beside the target's, addressed through the target's block tables; its forwards "
         "on the target's threads, synchronous); 'process': its own vLLM engine in its own "
         "process, streaming drafts ahead while the target verifies (for a spare core or "
-        "device).",
+        "device); 'ray': that engine in a Ray actor, placed by ray_options (another core, "
+        "device or node; needs the 'ray' extra).",
+    )
+    ray_options: dict[str, Any] | None = Field(
+        default=None,
+        description="Placement 'ray': options passed as they are to the drafter's Ray actor "
+        "(ray.remote(...).options(**ray_options)): num_cpus, num_gpus, resources, "
+        "scheduling_strategy (e.g. a node affinity), runtime_env. Default: no reserved CPU.",
     )
     name: str | None = Field(
         default=None, description="Name used in logs and metrics (default: the folder name)."
@@ -70,25 +80,25 @@ class ModelDrafterConfig(_Strict):
     )
     kv_cache_gib: float = Field(
         default=1.0, gt=0,
-        description="Process drafters: KV cache size of the drafter engine, in GiB (CPU). An "
+        description="Process and Ray drafters: KV cache size of the drafter engine, in GiB (CPU). An "
         "in-worker drafter's KV cache comes out of the target's KV cache space.",
     )
     gpu_memory_utilization: float = Field(
         default=0.1,
         gt=0,
         le=1,
-        description="Process drafters: fraction of GPU memory for the drafter engine (GPU "
+        description="Process and Ray drafters: fraction of GPU memory for the drafter engine (GPU "
         "machines only).",
     )
     num_threads: int | None = Field(
         default=None,
         ge=1,
-        description="Process drafters: compute threads of the drafter process (CPU); default 1, "
+        description="Process and Ray drafters: compute threads of the drafter process (CPU); default 1, "
         "or the target's thread count when it drafts synchronously on the target's cores.",
     )
     cpus: list[int] | None = Field(
         default=None,
-        description="Process drafters: CPU cores the drafter process may run on (default: all "
+        description="Process and Ray drafters: CPU cores the drafter process may run on (default: all "
         "cores).",
     )
     draft_vocab_size: int | None = Field(
@@ -106,7 +116,7 @@ class ModelDrafterConfig(_Strict):
     prefill_chunk_tokens: int = Field(
         default=256,
         ge=1,
-        description="Process drafters: most tokens one drafter engine step computes (its max_num_batched_tokens, "
+        description="Process and Ray drafters: most tokens one drafter engine step computes (its max_num_batched_tokens, "
         "at least the target's max_num_seqs): long prompts are prefilled in chunks, so the "
         "drafter keeps streaming drafts for the other requests and answers within "
         "draft_timeout_s.",
@@ -125,10 +135,14 @@ class ModelDrafterConfig(_Strict):
             if misplaced:
                 raise ValueError(
                     f"{', '.join(misplaced)} set an engine of the drafter's own, which only "
-                    "placement 'process' has; an in-worker drafter (placement 'worker', the "
-                    "default) runs on the target's threads and KV cache space: remove "
+                    "placement 'process' (or 'ray') has; an in-worker drafter (placement "
+                    "'worker', the default) runs on the target's threads and KV cache space: remove "
                     f"{'them' if len(misplaced) > 1 else 'it'} or set \"placement\": \"process\""
                 )
+        if self.ray_options is not None and self.placement != "ray":
+            raise ValueError(
+                f"ray_options places a Ray actor, which only placement 'ray' has (this drafter's "
+                f"placement is '{self.placement}'): remove it or set \"placement\": \"ray\"")
 
 
 class NgramDrafterConfig(_Strict):
@@ -275,8 +289,9 @@ class SmurfsConfig(_Strict):
 
     @property
     def process_drafters(self) -> list[ModelDrafterConfig]:
-        """Model drafters in processes of their own (``placement: "process"``)."""
-        return [d for d in self.model_drafters if d.placement == "process"]
+        """Model drafters with an engine of their own that streams drafts: in their own process
+        (``placement: "process"``) or in a Ray actor (``"ray"``)."""
+        return [d for d in self.model_drafters if d.placement in STREAMING_PLACEMENTS]
 
     @property
     def worker_drafters(self) -> list[ModelDrafterConfig]:

@@ -325,20 +325,27 @@ def main() -> None:
     if spec.get("cpus"):
         os.sched_setaffinity(0, spec["cpus"])
     conn = Client(address, authkey=authkey)
+    engine, answer = start_engine(spec)
+    conn.send(answer)
+    if engine is not None:
+        fault = _Fault(os.environ.get("SMURFS_DRAFTER_FAULT", ""), spec.get("name", ""))
+        serve(conn, PathDrafter(engine, spec["max_model_len"]), fault)
+
+
+def start_engine(spec: dict[str, Any]) -> tuple[VllmDraftEngine | None, Ready | StartFailed]:
+    """Build and warm up the drafter's engine: (the engine, `Ready`), or (None, `StartFailed`)
+    with the traceback, for the client to decide. Shared by the process and the Ray actor."""
     try:
         started = time.monotonic()
         llm = _build_engine(spec)
         vocab_size = llm.llm_engine.model_config.get_vocab_size()
         engine = VllmDraftEngine(llm.llm_engine)
         _warm_up(engine)
-        conn.send(Ready({"pid": os.getpid(), "vocab_size": vocab_size,
-                         "load_s": time.monotonic() - started,
-                         "cpus": sorted(os.sched_getaffinity(0))}))
+        return engine, Ready({"pid": os.getpid(), "vocab_size": vocab_size,
+                              "load_s": time.monotonic() - started,
+                              "cpus": sorted(os.sched_getaffinity(0))})
     except Exception:  # noqa: BLE001 - reported to the client, which decides
-        conn.send(StartFailed(traceback.format_exc()))
-        return
-    fault = _Fault(os.environ.get("SMURFS_DRAFTER_FAULT", ""), spec.get("name", ""))
-    serve(conn, PathDrafter(engine, spec["max_model_len"]), fault)
+        return None, StartFailed(traceback.format_exc())
 
 
 if __name__ == "__main__":

@@ -60,6 +60,25 @@ def check_in_worker_drafters(smurfs: SmurfsConfig, target_model_config: Any,
             "drafter out of the worker (\"placement\": \"process\").")
 
 
+def check_parallelism(smurfs: SmurfsConfig, parallel_config: Any) -> None:
+    """Refuse in-worker drafters on a target split over several workers (tensor or pipeline
+    parallel). One worker drafts (`proposer.owns_drafters`), and the others take its drafts from
+    the scheduler; an in-worker drafter's forwards would have to run on every worker of the
+    split in step, planned alike on each. Process and Ray drafters serve such a target."""
+    if parallel_config is None:
+        return
+    size = (int(getattr(parallel_config, "tensor_parallel_size", 1))
+            * int(getattr(parallel_config, "pipeline_parallel_size", 1)))
+    in_worker = [i for i, d in enumerate(smurfs.drafters)
+                 if isinstance(d, ModelDrafterConfig) and d.placement == "worker"]
+    if size > 1 and in_worker:
+        raise ValueError(
+            f"speculative_config.drafters[{in_worker[0]}].placement: an in-worker drafter "
+            f"(placement 'worker', the default) needs the target in one worker, and this target "
+            f"is split over {size} (tensor_parallel_size x pipeline_parallel_size); place its "
+            "model drafters out of the worker: \"placement\": \"ray\" or \"process\".")
+
+
 def kv_bytes_per_token(hf_config: Any, dtype: str) -> int:
     """KV cache bytes one token takes in every attention layer of a model (keys and values)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

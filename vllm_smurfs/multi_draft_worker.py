@@ -1,8 +1,8 @@
 """The drafter runtime: N drafters, each drafting for every request of a step.
 
 A model drafter sits in the target's worker (`in_worker_drafter`, the default: synchronous, on
-vLLM's draft-model machinery; the proposer drives it) or in a process of its own. Process
-drafters (`drafter_server`) each run their own vLLM engine and stream their drafts: per request a
+vLLM's draft-model machinery; the proposer drives it), in a process of its own, or in a Ray
+actor (`ray_drafter`). Process and Ray drafters (`drafter_server`) each run their own vLLM engine and stream their drafts: per request a
 drafter keeps a *path* (the text it expects, its own greedy continuation of a context), extended
 one engine step at a time while the target verifies. Their clients (`drafter_client`) mirror those
 paths; a step takes from each path what is ready and consistent with the request's current text,
@@ -85,7 +85,10 @@ class DrafterPool:
             elif isinstance(spec, ModelDrafterConfig):
                 cpus, borrowed, threads = placements[index]
                 lent = max(lent, borrowed)
-                self.drafters.append(ModelDrafterClient(
+                client = ModelDrafterClient
+                if spec.placement == "ray":
+                    from vllm_smurfs.ray_drafter import RayDrafterClient as client
+                self.drafters.append(client(
                     spec, dtype, max_model_len, max_num_seqs, trust_remote_code,
                     hang_timeout_s=config.draft_timeout_s, cpus=cpus, num_threads=threads))
             else:
@@ -147,7 +150,9 @@ class DrafterPool:
 
     @property
     def models_alive(self) -> bool:
-        return any(d.alive for d in self.model_drafters)
+        """Whether any model drafter (streaming or in-worker) can still draft."""
+        return (any(d.alive for d in self.model_drafters)
+                or any(self.drafters[i].health.alive for i in self.in_worker_indices))
 
     def free_drafts(self, requests: Sequence[DraftRequest]) -> list[list[list[int]]]:
         """drafts[i][d] as `ready` gives them, from the model-free voters only (microseconds;
@@ -269,7 +274,7 @@ def _place_drafters(config: SmurfsConfig) -> tuple[int, dict[int, tuple[list[int
     every = cores.allowed_cpus()
     out = {}
     for index, spec in enumerate(config.drafters):
-        if not isinstance(spec, ModelDrafterConfig) or spec.placement != "process":
+        if not isinstance(spec, ModelDrafterConfig) or spec.placement == "worker":
             continue
         own = spec.num_threads or 1
         if bound is None:

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from vllm_smurfs import cores
-from vllm_smurfs.config import SmurfsConfig
+from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
 from vllm_smurfs.metrics import DrafterStats, SmurfsStats
 from vllm_smurfs.model_drafting import ModelDrafting
 from vllm_smurfs.length_controller import (
@@ -115,6 +115,23 @@ def make_planner(config: SmurfsConfig) -> StepPlanner | None:
                        pause_models=config.lookahead.pause_drafters)
 
 
+def owns_drafters() -> bool:
+    """Whether this worker drafts. Exactly one does under tensor or pipeline parallelism: the
+    first tensor-parallel rank of the last pipeline stage, whose drafts the engine takes (the
+    scheduler then sends them to every rank to verify); the others start no drafter."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
+    except (ImportError, AssertionError):  # no distributed state: a single worker
+        return True
+
+
+def _without_model_drafters(config: SmurfsConfig) -> SmurfsConfig:
+    return config.model_copy(update={"drafters": [
+        d for d in config.drafters if not isinstance(d, ModelDrafterConfig)]})
+
+
 def _in_worker_drafter(spec: Any, index: int, vllm_config: Any, num_speculative_tokens: int) -> Any:
     # Imported here: it imports vLLM's model machinery (the proposer's own tests run without).
     from vllm_smurfs.in_worker_drafter import InWorkerDrafter
@@ -147,8 +164,9 @@ class SmurfsProposer:
         self.planner = make_planner(self.config)
         self.rule = WeightUpdateRule(**self.config.vote.model_dump())
         self.global_weights = DrafterWeights([d.weight for d in self.config.drafters], self.rule)
+        self.owns_drafters = owns_drafters()
         self.worker = DrafterPool(
-            self.config,
+            self.config if self.owns_drafters else _without_model_drafters(self.config),
             dtype=str(model_config.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
@@ -236,6 +254,8 @@ class SmurfsProposer:
     ) -> list[list[int]]:
         called = time.perf_counter()
         step, self._step = self._step, None
+        if not self.owns_drafters:
+            return [[] for _ in sampled_token_ids]  # the engine takes the drafting rank's drafts
         if step is None or len(step.req_ids) != len(sampled_token_ids):
             raise RuntimeError(
                 "SmurfsProposer was called without its step context: the vllm_smurfs patch of "
@@ -582,6 +602,8 @@ class SmurfsProposer:
             entry["steps_late"] = health.steps_late
             entry["engine_steps"] = health.steps_answered
             entry["busy_s"] = round(health.busy_s, 4)
+            if "replacements" in health.extra:  # a Ray drafter: actors started after its first
+                entry["replacements"] = health.extra["replacements"]
         if self.planner is not None:
             out["controller"] = self.planner.snapshot()
         return out

@@ -56,3 +56,39 @@ def test_readme_documents_every_key(model_cls):
     documented = set(re.findall(r"^\| `(\w+)` \|", REFERENCE.read_text(), re.M))
     missing = set(model_cls.model_fields) - documented
     assert not missing, f"docs/configuration.md lacks {sorted(missing)}"
+
+
+def test_ray_placement_and_its_options():
+    config = SmurfsConfig.from_user_dict({
+        "method": "smurfs", "num_speculative_tokens": 4,
+        "drafters": [{"model": "/a"}, {"model": "/b", "placement": "ray",
+                                        "ray_options": {"num_cpus": 1}, "num_threads": 2}]})
+    assert config.process_drafters == [config.drafters[1]]  # it streams, as a process drafter
+    assert config.worker_drafters == [config.drafters[0]]
+    assert config.drafters[1].ray_options == {"num_cpus": 1}
+    with pytest.raises(ValueError, match=r"ray_options .* only placement 'ray'.*'process'"):
+        SmurfsConfig.from_user_dict({
+            "method": "smurfs", "num_speculative_tokens": 4,
+            "drafters": [{"model": "/b", "placement": "process", "ray_options": {}}]})
+    with pytest.raises(ValueError, match=r"drafters\[0\]\.placement: .*'ray' \(got 'cluster'\)"):
+        SmurfsConfig.from_user_dict({
+            "method": "smurfs", "num_speculative_tokens": 4,
+            "drafters": [{"model": "/b", "placement": "cluster"}]})
+
+
+def test_a_target_split_over_workers_refuses_in_worker_drafters():
+    from types import SimpleNamespace
+
+    from vllm_smurfs.engine_setup import check_parallelism
+
+    config = SmurfsConfig.from_user_dict({
+        "method": "smurfs", "num_speculative_tokens": 4,
+        "drafters": [{"model": "/r", "placement": "ray"}, {"model": "/a"}]})
+    with pytest.raises(ValueError, match=r"drafters\[1\]\.placement: .* split over 2"):
+        check_parallelism(config, SimpleNamespace(tensor_parallel_size=2,
+                                                  pipeline_parallel_size=1))
+    check_parallelism(config, SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    only_ray = SmurfsConfig.from_user_dict({
+        "method": "smurfs", "num_speculative_tokens": 4,
+        "drafters": [{"model": "/r", "placement": "ray"}, {"method": "ngram"}]})
+    check_parallelism(only_ray, SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2))

@@ -24,7 +24,8 @@ TARGET = EngineArgs
 NAME = "create_speculative_config"
 
 
-def translate(engine_args: Any, target_model_config: Any) -> None:
+def translate(engine_args: Any, target_model_config: Any,
+              target_parallel_config: Any = None) -> None:
     """Rewrite ``engine_args`` in place if it carries a Smurfs config."""
     spec = engine_args.speculative_config
     if not isinstance(spec, dict) or spec.get("method") != "smurfs":
@@ -42,6 +43,7 @@ def translate(engine_args: Any, target_model_config: Any) -> None:
         target_model_config.get_vocab_size(),
         trust_remote_code=target_model_config.trust_remote_code,
     )
+    engine_setup.check_parallelism(smurfs, target_parallel_config)
     engine_setup.check_in_worker_drafters(smurfs, target_model_config,
                                           engine_setup.kv_cache_space_bytes(engine_args),
                                           getattr(engine_args, "block_size", None))
@@ -62,7 +64,7 @@ def translate(engine_args: Any, target_model_config: Any) -> None:
 
 
 def _create_speculative_config(self: EngineArgs, target_model_config, target_parallel_config):
-    translate(self, target_model_config)
+    translate(self, target_model_config, target_parallel_config)
     return original(TARGET, NAME)(self, target_model_config, target_parallel_config)
 
 
