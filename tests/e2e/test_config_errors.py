@@ -47,10 +47,10 @@ def test_valid_config_becomes_custom_class(family):
         (lambda f: smurfs([{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}]),
          r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(2\)"),
         (lambda f: smurfs([{"model": f.drafts[0], "placement": "gpu"}]),
-         r"drafters\[0\]\.placement: Input should be 'worker' or 'process' \(got 'gpu'\)"),
+         r"drafters\[0\]\.placement: Input should be 'worker', 'process' or 'ray' \(got 'gpu'\)"),
         (lambda f: smurfs([{"model": f.drafts[0], "cpus": [1], "num_threads": 1}]),
          r"drafters\[0\]: .*num_threads, cpus set an engine of the drafter's own, which only "
-         r"placement 'process' has"),
+         r"placement 'process' \(or 'ray'\) has"),
     ],
 )
 def test_config_error_messages(family, make_spec, expected):
@@ -181,7 +181,7 @@ def test_llm_refuses_bad_configs_naming_the_key(family):
         (smurfs([{"model": family.drafts[0]}], num_speculative_tokens=1000),
          r"num_speculative_tokens: Input should be less than or equal to 16"),
         (smurfs([{"model": family.drafts[0], "placement": 3}]),
-         r"drafters\[0\]\.placement: Input should be 'worker' or 'process'"),
+         r"drafters\[0\]\.placement: Input should be 'worker', 'process' or 'ray'"),
     ]:
         with pytest.raises(ValueError, match=expected):
             LLM(model=family.target, dtype="float32", max_model_len=256,
