@@ -80,26 +80,27 @@ class ModelDrafterConfig(_Strict):
     )
     kv_cache_gib: float = Field(
         default=1.0, gt=0,
-        description="Process and Ray drafters: KV cache size of the drafter engine, in GiB (CPU). An "
-        "in-worker drafter's KV cache comes out of the target's KV cache space.",
+        description="Process and Ray drafters: KV cache size of the drafter engine, in GiB "
+        "(CPU). An in-worker drafter's KV cache comes out of the target's KV cache space.",
     )
     gpu_memory_utilization: float = Field(
         default=0.1,
         gt=0,
         le=1,
-        description="Process and Ray drafters: fraction of GPU memory for the drafter engine (GPU "
-        "machines only).",
+        description="Process and Ray drafters: fraction of GPU memory for the drafter engine "
+        "(GPU machines only).",
     )
     num_threads: int | None = Field(
         default=None,
         ge=1,
-        description="Process and Ray drafters: compute threads of the drafter process (CPU); default 1, "
-        "or the target's thread count when it drafts synchronously on the target's cores.",
+        description="Process and Ray drafters: compute threads of the drafter process (CPU); "
+        "default 1, or the target's thread count when it drafts synchronously on the "
+        "target's cores.",
     )
     cpus: list[int] | None = Field(
         default=None,
-        description="Process and Ray drafters: CPU cores the drafter process may run on (default: all "
-        "cores).",
+        description="Process and Ray drafters: CPU cores the drafter process may run on "
+        "(default: all cores).",
     )
     draft_vocab_size: int | None = Field(
         default=None, ge=1,
@@ -116,8 +117,9 @@ class ModelDrafterConfig(_Strict):
     prefill_chunk_tokens: int = Field(
         default=256,
         ge=1,
-        description="Process and Ray drafters: most tokens one drafter engine step computes (its max_num_batched_tokens, "
-        "at least the target's max_num_seqs): long prompts are prefilled in chunks, so the "
+        description="Process and Ray drafters: most tokens one drafter engine step computes "
+        "(its max_num_batched_tokens, at least the target's max_num_seqs): long prompts "
+        "are prefilled in chunks, so the "
         "drafter keeps streaming drafts for the other requests and answers within "
         "draft_timeout_s.",
     )
@@ -136,7 +138,8 @@ class ModelDrafterConfig(_Strict):
                 raise ValueError(
                     f"{', '.join(misplaced)} set an engine of the drafter's own, which only "
                     "placement 'process' (or 'ray') has; an in-worker drafter (placement "
-                    "'worker', the default) runs on the target's threads and KV cache space: remove "
+                    "'worker', the default) runs on the target's threads and KV cache space: "
+                    "remove "
                     f"{'them' if len(misplaced) > 1 else 'it'} or set \"placement\": \"process\""
                 )
         if self.ray_options is not None and self.placement != "ray":

@@ -226,10 +226,10 @@ class AdaptiveLookahead:
 
         ``model_free_mode`` (``free_mode``: its old name, still accepted): also consider, every
         step, leaving the model drafters out (drafts from the model-free voters only, see
-        ``choose``'s ``free_lens``), with its own step-cost curve (`StepTiming.drafting` False: e.g. the target then has the cores it lends to
-        drafters) and its own acceptance model; the better of the two plans is taken, with a
-        margin and a minimum dwell against flapping. Each plan's predicted rate is corrected by
-        how long its steps took, the proposer's own time included, against their predicted
+        ``choose``'s ``free_lens``), with its own step-cost curve (`StepTiming.drafting` False:
+        e.g. the target then has the cores it lends to drafters) and its own acceptance model;
+        the better of the two plans is taken, with a margin and a minimum dwell against
+        flapping. Each plan's predicted rate is corrected by how long its steps took, the proposer's own time included, against their predicted
         time (:class:`StepTimeCalibration`; sampled in steps without prompt chunks, and for
         the model plan only once the drafters have caught up after a switch).
 

@@ -2,9 +2,10 @@
 
 A model drafter sits in the target's worker (`in_worker_drafter`, the default: synchronous, on
 vLLM's draft-model machinery; the proposer drives it), in a process of its own, or in a Ray
-actor (`ray_drafter`). Process and Ray drafters (`drafter_server`) each run their own vLLM engine and stream their drafts: per request a
-drafter keeps a *path* (the text it expects, its own greedy continuation of a context), extended
-one engine step at a time while the target verifies. Their clients (`drafter_client`) mirror those
+actor (`ray_drafter`). Process and Ray drafters (`drafter_server`) each run their own vLLM
+engine and stream their drafts: per request a drafter keeps a *path* (the text it expects, its
+own greedy continuation of a context), extended one engine step at a time while the target
+verifies. Their clients (`drafter_client`) mirror those
 paths; a step takes from each path what is ready and consistent with the request's current text,
 and tells the drafters where the text goes next (`track`).
 Model-free voters (`model_free`) run in this process: they cost microseconds.
@@ -111,7 +112,7 @@ class DrafterPool:
         return [d for d in self.drafters if isinstance(d, ModelDrafterClient)]
 
     @property
-    def free_indices(self) -> list[int]:
+    def model_free_indices(self) -> list[int]:
         """Positions of the model-free voters in `names` (and in each request's drafts)."""
         return [i for i, d in enumerate(self.drafters) if isinstance(d, ModelFreeDrafter)]
 
@@ -154,7 +155,7 @@ class DrafterPool:
         return (any(d.alive for d in self.model_drafters)
                 or any(self.drafters[i].health.alive for i in self.in_worker_indices))
 
-    def free_drafts(self, requests: Sequence[DraftRequest]) -> list[list[list[int]]]:
+    def model_free_drafts(self, requests: Sequence[DraftRequest]) -> list[list[list[int]]]:
         """drafts[i][d] as `ready` gives them, from the model-free voters only (microseconds;
         model drafters' entries empty)."""
         drafts: list[list[list[int]]] = [[[] for _ in self.drafters] for _ in requests]
@@ -177,11 +178,11 @@ class DrafterPool:
     def ready(self, requests: Sequence[DraftRequest], models: bool = True,
               free: Sequence[list[list[int]]] | None = None) -> list[list[list[int]]]:
         """drafts[i][d]: drafter d's draft for requests[i] now (empty when it has none; model
-        drafters' are left empty unless ``models``). ``free``: `free_drafts` of the same
+        drafters' are left empty unless ``models``). ``free``: `model_free_drafts` of the same
         requests taken earlier in the step at lookaheads >= their k, cut here to k (an n-gram
         draft's prefix is the shorter draft), instead of drafting them again."""
         if free is None:
-            drafts = self.free_drafts(requests)
+            drafts = self.model_free_drafts(requests)
         else:
             drafts = [[tokens[: r.k] for tokens in per] for r, per in zip(requests, free,
                                                                              strict=True)]
@@ -268,7 +269,8 @@ def _close_all(elastic: ElasticThreads, drafters: Sequence[ModelDrafterClient]) 
 def _place_drafters(config: SmurfsConfig) -> tuple[int, dict[int, tuple[list[int], int, int]]]:
     """The target's thread count and, per model drafter (by index in ``config.drafters``), (its
     cores, target threads it borrows, its threads). See `cores.plan_placement`: cores the target
-    leaves spare first; a synchronous drafter on the target's cores takes the target's thread count."""
+    leaves spare first; a synchronous drafter on the target's cores takes the target's thread
+    count."""
     threads = cores.spin_up_threads()
     bound = cores.target_cpus(threads)
     every = cores.allowed_cpus()

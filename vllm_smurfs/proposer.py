@@ -290,7 +290,7 @@ class SmurfsProposer:
         max_lookahead = min(step.max_spec_tokens or self.num_speculative_tokens,
                             self.num_speculative_tokens)
         contexts = [token_ids_cpu[i, : view.num_tokens].copy() for i, view in zip(rows, views)]
-        free = self.worker.free_drafts([DraftRequest(view.req_id, context, max_lookahead)
+        free = self.worker.model_free_drafts([DraftRequest(view.req_id, context, max_lookahead)
                                         for view, context in zip(views, contexts)])
         for state in (self._states.get(step.req_ids[i]) for i in rows):
             if state is not None:
@@ -363,7 +363,7 @@ class SmurfsProposer:
         """A step with in-worker drafters: plan it, draft in the target's worker, vote.
         Returns the seconds the drafters' forwards took."""
         n = len(views)
-        free_indices = self.worker.free_indices
+        model_free_indices = self.worker.model_free_indices
         in_worker = self.worker.in_worker_indices
         drafters = [self.worker.drafters[d] for d in in_worker]
         # The model-free voters' own chain per request, at the longest lookahead.
@@ -371,8 +371,8 @@ class SmurfsProposer:
         for view, per in zip(views, free):
             weights = self._state(view.req_id).weights.weights
             free_chains.append(weighted_prefix_vote(
-                [per[d] for d in free_indices], [weights[d] for d in free_indices],
-                max_len=max_lookahead).tokens if free_indices else [])
+                [per[d] for d in model_free_indices], [weights[d] for d in model_free_indices],
+                max_len=max_lookahead).tokens if model_free_indices else [])
         if self.planner is not None:
             plan = self.planner.plan([
                 PlanRequest(view.req_id, view.num_tokens, view.max_model_len, len(chain),
@@ -427,7 +427,7 @@ class SmurfsProposer:
         for i, view in enumerate(views):
             per = [[] for _ in self.worker.drafters]
             free_cap = max_lookahead if i in in_model_rows else plan.free_lens[i]
-            for d in free_indices:
+            for d in model_free_indices:
                 per[d] = free[i][d][:free_cap]
             for j, d in enumerate(in_worker):
                 per[d] = tokens[i][j]

@@ -221,7 +221,7 @@ class StepPlanner:
         self.max_lookahead = max_lookahead
         self.min_lookahead = min_lookahead
         self.pause_models = pause_models
-        self.acceptance_free = AcceptanceModel(max_lookahead)
+        self.acceptance_model_free = AcceptanceModel(max_lookahead)
         self.acceptance_models = AcceptanceModel(max_lookahead)
         self.target_cost = StepCostModel()
         self.drafters = [_DrafterState() for _ in range(num_model_drafters)]
@@ -259,7 +259,7 @@ class StepPlanner:
         """Outcomes of the last step: the model-free voters' chain per request (``free``), the
         voted chain of requests the model drafters drafted for, and each model drafter's own
         draft (``models[d]``, with its confidences) for its calibration."""
-        self.acceptance_free.observe([
+        self.acceptance_model_free.observe([
             StepFeedback(req_id, *_observed(outcome)) for req_id, outcome in free])
         self.acceptance_models.observe(voted_with_models)
         for state, outcomes in zip(self.drafters, models, strict=False):
@@ -273,7 +273,7 @@ class StepPlanner:
 
     def forget(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
-        self.acceptance_free.forget(req_ids)
+        self.acceptance_model_free.forget(req_ids)
         self.acceptance_models.forget(req_ids)
 
     # -- planning ------------------------------------------------------------------------------
@@ -285,14 +285,14 @@ class StepPlanner:
             return Plan([], [], [[] for _ in range(num_drafters)], 0.0, 0.0)
         self.steps += 1
         ids = [r.req_id for r in requests]
-        self.acceptance_free.tick(ids)
+        self.acceptance_model_free.tick(ids)
         self.acceptance_models.tick(ids)
         top = max(0, min(self.max_lookahead, max_lookahead))
         caps = [min(top, room_for_drafts(r)) for r in requests]  # type: ignore[arg-type]
         lows = [min(self.min_lookahead, c) for c in caps]
         free_caps = [min(c, max(0, r.free_len)) for c, r in zip(caps, requests, strict=True)]
 
-        free_plan = self._free_plan(requests, free_caps)
+        free_plan = self._model_free_plan(requests, free_caps)
         best = free_plan
         can_model = [r for r in range(n) if caps[r] > 0 and any(
             c is not None for c in requests[r].catch_up[:num_drafters])] if num_drafters else []
@@ -347,9 +347,9 @@ class StepPlanner:
         cost = sum(state.pass_cost(catch_up) + state.pass_cost(1) for state in self.drafters)
         return cost <= _PROBE_BUDGET * (self._elapsed_s - self._last_models_s)
 
-    def _free_plan(self, requests: Sequence[PlanRequest], free_caps: list[int]) -> Plan:
+    def _model_free_plan(self, requests: Sequence[PlanRequest], free_caps: list[int]) -> Plan:
         n = len(requests)
-        cum = [_cumulative(self.acceptance_free.request_acceptance(r.req_id), c)
+        cum = [_cumulative(self.acceptance_model_free.request_acceptance(r.req_id), c)
                for r, c in zip(requests, free_caps, strict=True)]
         ks, rate, exp_tokens, seconds = self._allocate(cum, [0] * n, lambda *_: 0.0)
         return Plan(lookaheads=list(ks), free_lens=list(ks),
@@ -386,7 +386,7 @@ class StepPlanner:
         # Requests the models do not draft for keep their n-gram draft, and its worth.
         free_lens = [0 if ks[r] > 0 else free_plan.free_lens[r] for r in range(n)]
         lookaheads = [ks[r] if ks[r] > 0 else free_lens[r] for r in range(n)]
-        free_cum = [_cumulative(self.acceptance_free.request_acceptance(r.req_id), k)
+        free_cum = [_cumulative(self.acceptance_model_free.request_acceptance(r.req_id), k)
                     for r, k in zip(requests, free_lens, strict=True)]
         exp_tokens += sum(sum(qs) for qs in free_cum)
         tokens = self._background + sum(1 + k for k in lookaheads)
@@ -473,7 +473,8 @@ class StepPlanner:
         """Which of the ``active`` requests get one more token from model drafter ``drafter``.
 
         ``confidences[i]``: the drafter's probability of each token it drafted so far for the
-        i-th request of its ``plan.model_rows``; ``active`` indexes them; ``drafted_s``: the seconds its forwards took so far this step.
+        i-th request of its ``plan.model_rows``; ``active`` indexes them; ``drafted_s``: the
+        seconds its forwards took so far this step.
 
         The step so far is worth ``S`` expected tokens in ``T`` seconds: the plan's part without
         these drafts, plus every draft's expected accepted tokens (``q``, the chance a draft's
@@ -530,7 +531,8 @@ class StepPlanner:
             "steps_with_models": self.steps_with_models,
             "probes": self.probes,
             "model_share": round(self.model_share, 4),
-            "acceptance_free": [round(p, 4) for p in self.acceptance_free.global_acceptance()],
+            "acceptance_free": [round(p, 4)
+                                for p in self.acceptance_model_free.global_acceptance()],
             "acceptance_models": [round(p, 4)
                                   for p in self.acceptance_models.global_acceptance()],
             "target_cost": self.target_cost.snapshot(),

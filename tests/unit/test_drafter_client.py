@@ -217,7 +217,7 @@ def test_free_drafts_taken_at_the_longest_lookahead_serve_every_shorter_one():
                                           "drafters": [{"method": "ngram"}]})
     worker = DrafterPool(config, dtype="float32", max_model_len=64, max_num_seqs=4)
     text = ctx(1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3)
-    (free,) = worker.free_drafts([DraftRequest("r", text, 6)])
+    (free,) = worker.model_free_drafts([DraftRequest("r", text, 6)])
     assert free == [[4, 5, 6, 7, 8, 9]]
     for k in range(7):
         request = DraftRequest("r", text, k)

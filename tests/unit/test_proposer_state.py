@@ -30,7 +30,7 @@ class ScriptedWorker:
         self.models_used: list[bool] = []
         self.model_indices = list(range(len(self.names)))
         self.in_worker_indices: list[int] = []
-        self.free_indices: list[int] = []
+        self.model_free_indices: list[int] = []
         self.lends_cores = False
 
     def start(self):
@@ -50,7 +50,7 @@ class ScriptedWorker:
         return [[self.script[d](r.context, r.k) if models else [] for d in range(len(self.names))]
                 for r in requests]
 
-    def free_drafts(self, requests):
+    def model_free_drafts(self, requests):
         lens = self.free if self.free is not None else [0] * len(requests)
         return [[[1] * f] + [[] for _ in self.names[1:]] for f in lens]
 
