@@ -3,9 +3,12 @@
 The actor runs what a process drafter runs (`drafter_server`: the drafter's own vLLM engine, a
 `PathDrafter` streaming each request's path, the same rounds and messages of `drafter_protocol`);
 only the transport differs. Messages travel as Ray actor calls and Ray objects: the client pushes
-each message with ``push`` (fire and forget, in submission order) and keeps one ``pull`` in flight
-that the actor answers with every message it has for the client (a long poll), so nothing in the
-target's step waits on a remote call (`RayChannel`, the Ray counterpart of `channel.Channel`).
+each message with ``push`` (fire and forget, numbered: an async actor may run calls out of
+order, and the actor takes them in their order), and the actor yields what it has for the client
+to one ``stream`` (a Ray streaming generator: each batch reaches the client as it is made), so
+nothing in the target's step waits on a remote call (`RayChannel`, the Ray counterpart of
+`channel.Channel`). (A long poll, one ``pull`` call answered with what the actor had, left the
+client a step behind: its answer came when the call arrived, not when the next tokens did.)
 
 `RayDrafterClient` is a `drafter_client.ModelDrafterClient` with that channel: the paths, deltas,
 acknowledgements, hang detection and failure handling are the process drafter's, and the vote and
@@ -22,12 +25,14 @@ worker of vLLM's Ray executor is) it is used; otherwise a local one is started o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from vllm_smurfs.config import ModelDrafterConfig
@@ -74,18 +79,55 @@ def connect() -> Any:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         common = dict(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=True,
                       configure_logging=False)
-        try:
-            ray.init(address="auto", **common)
-            logger.info("Smurfs: Ray drafters use the running Ray cluster")
-        except ConnectionError:
-            from vllm_smurfs import cores
-
-            _loopback_only()
-            ray.init(num_cpus=len(cores.allowed_cpus()), _node_ip_address="127.0.0.1",
-                     **common)
-            logger.info("Smurfs: started a local Ray cluster on 127.0.0.1 for the drafters")
+        with _on_every_core():
+            try:
+                ray.init(address="auto", **common)
+                logger.info("Smurfs: Ray drafters use the running Ray cluster")
+            except ConnectionError:
+                _loopback_only()
+                ray.init(num_cpus=len(os.sched_getaffinity(0)), _node_ip_address="127.0.0.1",
+                         **common)
+                logger.info("Smurfs: started a local Ray cluster on 127.0.0.1 for the drafters")
         _Connection.ours = True
         return ray
+
+
+@contextlib.contextmanager
+def _on_every_core() -> Iterator[None]:
+    """Run the block on every core this process may use: the calling thread may be bound to the
+    target's cores (vLLM and OpenMP bind its compute threads, the main one included), and Ray's
+    processes and threads started from it would inherit that, and compete with the target on
+    its cores."""
+    try:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps the allowed ones
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _pin_process(cpus: Sequence[int]) -> None:
+    """Every thread of this process (Ray's own included) on ``cpus``; threads started later
+    inherit it from the thread that starts them."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass  # a thread that ended meanwhile
+
+
+def _thread_affinities() -> list[set[int]]:
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out.append(os.sched_getaffinity(int(tid)))
+        except OSError:
+            pass
+    return out
 
 
 def _loopback_only() -> None:
@@ -115,7 +157,7 @@ def disconnect() -> None:
 # -- the actor -----------------------------------------------------------------------------------
 class _QueueConnection:
     """What `drafter_server.serve` reads and writes, for an actor: messages the client pushed
-    come from a queue; what the server sends waits in an outbox for the client's next pull."""
+    come from a queue; what the server sends waits in an outbox for the client's stream."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Event) -> None:
         self.inbox: queue.Queue[Any] = queue.Queue()
@@ -136,13 +178,15 @@ class _QueueConnection:
 class RayDrafterActor:
     """The drafter's engine and paths inside a Ray actor (made remote by `RayDrafterClient`).
 
-    Async: ``push`` and ``pull`` are answered at once while the engine steps in a thread of its
+    Async: ``push`` and ``stream`` are served at once while the engine steps in a thread of its
     own (the `drafter_server.serve` loop, unchanged)."""
 
     def __init__(self) -> None:
         self._conn: _QueueConnection | None = None
         self._ready = asyncio.Event()
         self._server: threading.Thread | None = None
+        self._early: dict[int, Any] = {}  # pushed messages ahead of one not taken yet
+        self._next_seq = 0
 
     async def start(self, spec: dict[str, Any], fault: str) -> Ready | StartFailed:
         """Build the engine (as a process drafter does) and start serving; `Ready` carries the
@@ -153,17 +197,21 @@ class RayDrafterActor:
             if key in _INHERITED_ENV_TO_DROP or key.startswith(_INHERITED_ENV_PREFIXES_TO_DROP):
                 del os.environ[key]
         os.environ["OMP_NUM_THREADS"] = str(spec["num_threads"])
+        os.environ["OMP_PROC_BIND"] = "false"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         node_id = ray.get_runtime_context().get_node_id()
         if spec.get("cpus") and node_id == spec.get("client_node_id"):
-            usable = set(spec["cpus"]) & os.sched_getaffinity(0)
-            if usable:
-                os.sched_setaffinity(0, usable)
+            # The cores the client planned for it on this node, as a process drafter's; not the
+            # ones it inherited from Ray's processes (which may be the target's).
+            _pin_process(spec["cpus"])
         from vllm_smurfs.drafter_server import PathDrafter, _Fault, serve, start_engine
 
         engine, answer = await asyncio.to_thread(start_engine, spec)
         if engine is None:
             return answer
+        if spec.get("cpus") and node_id == spec.get("client_node_id"):
+            _pin_process(spec["cpus"])  # threads the engine started, whatever they inherited
+            answer.info["cpus"] = sorted(set().union(*_thread_affinities()))
         self._conn = _QueueConnection(asyncio.get_running_loop(), self._ready)
         drafter = PathDrafter(engine, spec["max_model_len"])
         self._server = threading.Thread(target=serve, name="smurfs-drafter",
@@ -173,22 +221,29 @@ class RayDrafterActor:
         answer.info.update(node_id=node_id, node_ip=ray.util.get_node_ip_address())
         return answer
 
-    async def push(self, message: Any) -> None:
+    async def push(self, seq: int, message: Any) -> None:
+        """Message ``seq`` (0, 1, ...) of the client's. An async actor may run calls out of the
+        order they were made in: messages wait here until every earlier one has come."""
         assert self._conn is not None, "push before start"
-        self._conn.inbox.put(message)
+        self._early[seq] = message
+        while self._next_seq in self._early:
+            self._conn.inbox.put(self._early.pop(self._next_seq))
+            self._next_seq += 1
 
-    async def pull(self) -> list[Any]:
-        """Every message for the client, waiting until there is one."""
-        assert self._conn is not None, "pull before start"
-        while not self._conn.outbox:
-            self._ready.clear()
-            if self._conn.outbox:
-                break
-            await self._ready.wait()
-        out = list(self._conn.outbox)
-        for _ in out:
-            self._conn.outbox.popleft()
-        return out
+    async def stream(self) -> AsyncIterator[list[Any]]:
+        """Every message for the client, as they come: one batch per wait (a Ray streaming
+        generator, so that each batch reaches the client as soon as it is made, in order)."""
+        assert self._conn is not None, "stream before start"
+        while True:
+            while not self._conn.outbox:
+                self._ready.clear()
+                if self._conn.outbox:
+                    break
+                await self._ready.wait()
+            out = list(self._conn.outbox)
+            for _ in out:
+                self._conn.outbox.popleft()
+            yield out
 
     async def stop(self) -> None:
         if self._conn is not None:
@@ -200,13 +255,15 @@ class RayDrafterActor:
 # -- the client ----------------------------------------------------------------------------------
 class RayChannel:
     """The client's end of an actor: `channel.Channel`'s interface over Ray calls; nothing waits
-    longer than the ``timeout`` it is given."""
+    longer than the ``timeout`` it is given. Messages go out as numbered ``push`` calls and come
+    back on one ``stream`` (a Ray streaming generator the actor yields batches to)."""
 
     def __init__(self, ray: Any, actor: Any) -> None:
         self._ray, self._actor = ray, actor
         self._inbox: deque[Any] = deque()
         self._pushes: deque[Any] = deque()  # refs of pushes the actor may not have taken yet
-        self._pull = actor.pull.remote()
+        self._stream = actor.stream.remote()
+        self._seq = 0  # pushes made (the actor takes them in this order)
 
     def send(self, message: Any) -> bool:
         """Push ``message``; False (not sent) while too many pushes are outstanding."""
@@ -217,7 +274,8 @@ class RayChannel:
             self._pushes = deque(r for r in self._pushes if r not in finished)
             if len(self._pushes) >= MAX_PUSHES_IN_FLIGHT:
                 return False
-        self._pushes.append(self._actor.push.remote(message))
+        self._pushes.append(self._actor.push.remote(self._seq, message))
+        self._seq += 1
         return True
 
     def flush(self) -> None:
@@ -226,15 +284,15 @@ class RayChannel:
     def receive(self, timeout: float = 0.0) -> Any | None:
         """The next message, waiting up to ``timeout``; EOFError when the actor is gone."""
         if not self._inbox:
-            ready, _ = self._ray.wait([self._pull], timeout=timeout)
+            ready, _ = self._ray.wait([self._stream], timeout=timeout)
             if not ready:
                 return None
             try:
-                messages = self._ray.get(self._pull)
+                self._inbox.extend(self._ray.get(next(self._stream)))
+            except StopIteration:
+                raise EOFError("the Ray actor's stream ended") from None
             except self._ray.exceptions.RayError as exc:
                 raise EOFError(f"Ray actor lost: {type(exc).__name__}: {exc}") from None
-            self._pull = self._actor.pull.remote()
-            self._inbox.extend(messages)
             if not self._inbox:
                 return None
         return self._inbox.popleft()
@@ -266,8 +324,11 @@ class RayDrafterClient(ModelDrafterClient):
     def _launch(self) -> None:
         options = dict(self.spec.ray_options or {})
         env = dict(options.pop("runtime_env", None) or {})
+        # The actor's process inherits the environment of Ray's processes, which may be the
+        # target's (when its worker started the cluster): OpenMP must not bind the drafter's
+        # threads to the target's places (see `RayDrafterActor.start` for its own cores).
         env["env_vars"] = {**env.get("env_vars", {}), "OMP_NUM_THREADS": str(self.num_threads),
-                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                           "OMP_PROC_BIND": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                            "RAY_USAGE_STATS_ENABLED": "0"}
         options.setdefault("num_cpus", 0)
         actor_class = self._ray.remote(RayDrafterActor)
