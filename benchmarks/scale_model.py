@@ -44,7 +44,9 @@ SCENARIOS = (
     Scenario("CPU: Qwen2.5-Coder 1.5B target, 0.5B drafter (2 cores)", 146.0, 146.0, 57.0,
              MEASURED_ACCEPTANCE,
              "measured here: t_v 146 ms (Smurfs' verification step, batch 1), t_d 57 ms (in-worker "
-             "0.5B forward); t_1 taken equal to t_v"),
+             "0.5B forward on both cores); t_1 taken equal to t_v; assumed: a streaming drafter "
+             "has a device of its own as fast (here it would have to take a core from the "
+             "target, which halves the target's speed)"),
     Scenario("GPU: 70B target (A100-class, TP), 1B drafter on its own GPU", 30.0, 31.0, 3.0,
              MEASURED_ACCEPTANCE,
              "published: ~25-33 ms per token for a 70B model on A100s at batch 1; modelled: t_v "
@@ -92,10 +94,10 @@ def table(rtt_ms_node: float, rtt_ms_remote: float) -> list[dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rtt-ms-node", type=float, default=0.9,
+    parser.add_argument("--rtt-ms-node", type=float, default=3.8,
                         help="a streaming drafter's round trip on the same node, ms (measured: "
                         "benchmarks.drafter_rtt)")
-    parser.add_argument("--rtt-ms-remote", type=float, default=2.0,
+    parser.add_argument("--rtt-ms-remote", type=float, default=4.3,
                         help="its round trip from another node, ms (modelled)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -326,11 +326,18 @@ class ModelDrafterClient:
         after it, in order); `track` does it too."""
         self._thaw()
 
+    def _stoppable_pid(self) -> int | None:
+        """The process `pause` stops (SIGSTOP) and `resume` lets run: the drafter's, while alive."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        return self._proc.pid
+
     def _freeze(self) -> None:
-        if self._frozen or self._proc is None or self._proc.poll() is not None:
+        pid = self._stoppable_pid()
+        if self._frozen or pid is None:
             return
         try:
-            os.kill(self._proc.pid, signal.SIGSTOP)
+            os.kill(pid, signal.SIGSTOP)
         except OSError:
             return
         self._frozen = True
@@ -340,9 +347,10 @@ class ModelDrafterClient:
         if not self._frozen:
             return
         self._frozen = False
-        if self._proc is not None and self._proc.poll() is None:
+        pid = self._stoppable_pid()
+        if pid is not None:
             try:
-                os.kill(self._proc.pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
         self._last_heard = time.monotonic()  # silence while stopped was not a hang

@@ -391,29 +391,10 @@ class RayDrafterClient(ModelDrafterClient):
             self._ray = None
             disconnect()
 
-    # SIGSTOP while paused, as for a process drafter, only when the actor runs on this node (it
-    # may share the target's cores); a remote actor idles once it has taken the pause.
-    def _freeze(self) -> None:
-        if self._frozen or self._pid is None:
-            return
-        self._signal(19)  # SIGSTOP
-        self._frozen = True
-        self._stopped_at = time.monotonic()
-
-    def _thaw(self) -> None:
-        if not self._frozen:
-            return
-        self._frozen = False
-        self._signal(18)  # SIGCONT
-        self._last_heard = time.monotonic()
-        self._stops.append((self._stopped_at, self._last_heard))
-
-    def _signal(self, signum: int) -> None:
-        if self._pid is not None:
-            try:
-                os.kill(self._pid, signum)
-            except OSError:
-                pass
+    def _stoppable_pid(self) -> int | None:
+        # Stopped while paused, as a process drafter is, only when the actor runs on this node
+        # (it may share the target's cores); a remote actor idles once it has taken the pause.
+        return self._pid
 
     def _fail(self, reason: str) -> None:
         if self._frozen:
