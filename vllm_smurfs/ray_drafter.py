@@ -64,8 +64,10 @@ class _Connection:
     ours = False
 
 
-def connect() -> Any:
-    """The `ray` module, connected: to the running cluster, or to a local one started here."""
+def connect(cpus: Sequence[int] | None = None) -> Any:
+    """The `ray` module, connected: to the running cluster, or to a local one started here.
+    ``cpus``: the cores Ray's processes and threads started here go on (the drafters' cores,
+    off the target's); default: every core this process may use."""
     try:
         import ray
     except ImportError as exc:
@@ -79,13 +81,13 @@ def connect() -> Any:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         common = dict(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=True,
                       configure_logging=False)
-        with _on_every_core():
+        with _on_cores(cpus):
             try:
                 ray.init(address="auto", **common)
                 logger.info("Smurfs: Ray drafters use the running Ray cluster")
             except ConnectionError:
                 _loopback_only()
-                ray.init(num_cpus=len(os.sched_getaffinity(0)), _node_ip_address="127.0.0.1",
+                ray.init(num_cpus=os.cpu_count() or 1, _node_ip_address="127.0.0.1",
                          **common)
                 logger.info("Smurfs: started a local Ray cluster on 127.0.0.1 for the drafters")
         _Connection.ours = True
@@ -93,14 +95,15 @@ def connect() -> Any:
 
 
 @contextlib.contextmanager
-def _on_every_core() -> Iterator[None]:
-    """Run the block on every core this process may use: the calling thread may be bound to the
-    target's cores (vLLM and OpenMP bind its compute threads, the main one included), and Ray's
-    processes and threads started from it would inherit that, and compete with the target on
-    its cores."""
+def _on_cores(cpus: Sequence[int] | None) -> Iterator[None]:
+    """Run the block on ``cpus`` (default: every core this process may use). The calling thread
+    may be bound to the target's cores (vLLM and OpenMP bind its compute threads, the main one
+    included), and Ray's processes and threads started from it inherit its cores: there they
+    would take time from the target's step."""
     try:
         before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps the allowed ones
+        # The kernel keeps the allowed ones of the cores asked for.
+        os.sched_setaffinity(0, cpus or range(os.cpu_count() or 1))
     except OSError:
         yield
         return
@@ -316,7 +319,7 @@ class RayDrafterClient(ModelDrafterClient):
         self._was_ready = False
 
     def start(self) -> None:
-        self._ray = connect()
+        self._ray = connect(self._engine_spec["cpus"])
         self._engine_spec["client_node_id"] = self._ray.get_runtime_context().get_node_id()
         self._engine_spec["num_threads"] = self.num_threads
         self._launch()
