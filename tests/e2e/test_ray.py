@@ -150,27 +150,3 @@ def test_a_target_in_two_tensor_parallel_workers_drafts_on_one_rank_only(family)
     ray_stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}["ray-draft"]
     assert ray_stats["drafted_tokens"] > 0 and ray_stats["accepted_tokens"] > 0
 
-
-def test_a_running_ray_cluster_is_used_and_left_running(family, greedy_runs):
-    """`ray start` on 127.0.0.1 (as a user would, dashboard and usage reporting off): the drafter's
-    actor runs on that cluster, no cluster of its own is started, and the cluster stays up."""
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    env.pop("RAY_ADDRESS", None)
-    start = subprocess.run([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1",
-                            "--port", "6390", "--include-dashboard=false",
-                            "--disable-usage-stats", "--num-cpus", "2"],
-                           env=env, capture_output=True, text=True, timeout=120)
-    assert start.returncode == 0, start.stdout + start.stderr
-    try:
-        running, sessions = ray_processes(), ray_sessions()
-        result = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS),
-                             speculative_config=ray_config(family), max_tokens=MAX_TOKENS,
-                             env={"RAY_ADDRESS": "127.0.0.1:6390"}))
-        assert divergences(greedy_runs("none").token_ids, result.token_ids) == {}
-        ray_stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}["ray-draft"]
-        assert ray_stats["alive"] and ray_stats["drafted_tokens"] > 0
-        assert ray_sessions() == sessions  # no cluster of the drafter's own was started
-        assert ray_processes() == running  # the user's cluster is still up, nothing else is
-    finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
