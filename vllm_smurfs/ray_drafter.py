@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from vllm_smurfs import cores
 from vllm_smurfs.config import ModelDrafterConfig
 from vllm_smurfs.drafter_client import (
     _INHERITED_ENV_PREFIXES_TO_DROP,
@@ -123,16 +124,6 @@ def _pin_process(cpus: Sequence[int]) -> None:
             pass  # a thread that ended meanwhile
 
 
-def _thread_affinities() -> list[set[int]]:
-    out = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            out.append(os.sched_getaffinity(int(tid)))
-        except OSError:
-            pass
-    return out
-
-
 def _loopback_only() -> None:
     """Keep a local cluster on 127.0.0.1: Ray turns 127.0.0.1 into the machine's address (and
     its servers then listen on every interface) unless multi-node clusters are off, which the
@@ -214,7 +205,7 @@ class RayDrafterActor:
             return answer
         if spec.get("cpus") and node_id == spec.get("client_node_id"):
             _pin_process(spec["cpus"])  # threads the engine started, whatever they inherited
-            answer.info["cpus"] = sorted(set().union(*_thread_affinities()))
+            answer.info["cpus"] = sorted(set().union(*cores.thread_affinities()))
         self._conn = _QueueConnection(asyncio.get_running_loop(), self._ready)
         drafter = PathDrafter(engine, spec["max_model_len"])
         self._server = threading.Thread(target=serve, name="smurfs-drafter",
