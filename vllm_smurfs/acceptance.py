@@ -1,5 +1,7 @@
-"""Acceptance estimation: per position conditional acceptance of drafts, per request with a
-global prior (:class:`AcceptanceModel`), learnt online from what the target accepted.
+"""Acceptance estimation, learnt online from what the target accepted: per position conditional
+acceptance of drafts, per request with a global prior (:class:`AcceptanceModel`), with an
+optimistic bound for exploration; and the calibration of a drafter's own probabilities
+(:class:`ConfidenceCalibration`), which the in-worker stop rule reads.
 
 Pure module (stdlib only).
 """
@@ -11,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from vllm_smurfs.lookahead_types import StepFeedback
+from vllm_smurfs.step_costs import isotonic_regression
 
 
 # Prior of the conditional acceptance at position 1 before anything was verified: the mean of a
@@ -36,6 +39,12 @@ _DEFAULT_REQUEST_HALF_LIFE_STEPS = 2.0
 # position: a new request starts at the global prior, and 1 pseudo-observation against at most
 # ~3.4 real ones leaves a request that differs from the average most of its own evidence.
 _DEFAULT_PRIOR_STRENGTH = 1.0
+# The global evidence also fades with time (steps), not only with new evidence: a plan that is
+# not taken gets no new verified drafts, and evidence that never ages would keep a pessimistic
+# estimate for good (a controller that talked itself out of model drafting could never learn it
+# was wrong). With a time constant of 1024 steps (about 30 requests at batch 1, a minute of
+# serving), unused evidence halves in ~700 steps and the optimistic bound widens again.
+_DEFAULT_GLOBAL_STEP_MEMORY = 1024.0
 
 
 @dataclass
@@ -68,6 +77,7 @@ class AcceptanceModel:
         request_half_life_steps: float = _DEFAULT_REQUEST_HALF_LIFE_STEPS,
         prior_strength: float = _DEFAULT_PRIOR_STRENGTH,
         global_memory: float = _DEFAULT_GLOBAL_MEMORY,
+        global_step_memory: float = _DEFAULT_GLOBAL_STEP_MEMORY,
     ) -> None:
         """Raises ValueError naming the setting when an argument is out of range."""
         if max_positions < 1:
@@ -80,10 +90,14 @@ class AcceptanceModel:
             raise ValueError(f"prior_strength must be finite and > 0, got {prior_strength!r}")
         if not (math.isfinite(global_memory) and global_memory > 0):
             raise ValueError(f"global_memory must be finite and > 0, got {global_memory!r}")
+        if not (math.isfinite(global_step_memory) and global_step_memory > 0):
+            raise ValueError(
+                f"global_step_memory must be finite and > 0, got {global_step_memory!r}")
         self.max_positions = max_positions
         self.prior_strength = prior_strength
         self.global_memory = global_memory
         self._request_decay = 0.5 ** (1.0 / request_half_life_steps)
+        self._step_decay = math.exp(-1.0 / global_step_memory)
         self._g_succ = [0.0] * max_positions
         self._g_trials = [0.0] * max_positions
         self._global_cache: list[float] | None = None
@@ -95,7 +109,13 @@ class AcceptanceModel:
 
         Decaying also while a request is not drafted for lets its estimate relax to the global
         one, so a request set to k=0 on bad evidence is reconsidered once that evidence is old.
+        The global evidence fades by one step's worth too (``global_step_memory``).
         """
+        g = self._step_decay
+        for i in range(self.max_positions):
+            self._g_succ[i] *= g
+            self._g_trials[i] *= g
+        self._global_cache = None
         d = self._request_decay
         for req_id in req_ids:
             counts = self._requests.get(req_id)
@@ -138,23 +158,36 @@ class AcceptanceModel:
             self._requests.pop(req_id, None)
 
     # -- estimates --------------------------------------------------------------------------
-    def global_acceptance(self) -> list[float]:
-        """``[p_1, ..., p_max_positions]`` over all requests, each in [0, 1]."""
-        if self._global_cache is None:
-            out = []
-            prev = _PRIOR_ACCEPTANCE
-            for s, n in zip(self._g_succ, self._g_trials, strict=True):
-                prev = (s + _POSITION_PRIOR_STRENGTH * prev) / (n + _POSITION_PRIOR_STRENGTH)
-                out.append(prev)
+    def global_acceptance(self, optimism: float = 0.0) -> list[float]:
+        """``[p_1, ..., p_max_positions]`` over all requests, each in [0, 1].
+
+        ``optimism`` > 0 gives an upper confidence bound instead of the estimate: each position
+        raised by ``optimism`` standard errors of a proportion, ``sqrt(p (1 - p) / (n + 1))``
+        with ``n`` its (decayed) observations. Where a plan has seldom been verified the bound
+        is wide and the plan looks as good as it may be, so it is tried (bounded by the
+        controller's exploration budget); where it has been verified often the bound is the
+        estimate.
+        """
+        if optimism <= 0.0 and self._global_cache is not None:
+            return list(self._global_cache)
+        out = []
+        prev = _PRIOR_ACCEPTANCE
+        for s, n in zip(self._g_succ, self._g_trials, strict=True):
+            prev = (s + _POSITION_PRIOR_STRENGTH * prev) / (n + _POSITION_PRIOR_STRENGTH)
+            out.append(prev)
+        if optimism <= 0.0:
             self._global_cache = out
-        return list(self._global_cache)
+            return list(out)
+        return [min(1.0, p + optimism * math.sqrt(p * (1.0 - p) / (n + 1.0)))
+                for p, n in zip(out, self._g_trials, strict=True)]
 
     def global_trials(self) -> list[float]:
         """Effective (decayed) number of observations per position, globally."""
         return list(self._g_trials)
 
-    def request_acceptance(self, req_id: str) -> list[float]:
-        """``[p_1, ..., p_max_positions]`` of one request (the global estimate if unknown).
+    def request_acceptance(self, req_id: str, optimism: float = 0.0) -> list[float]:
+        """``[p_1, ..., p_max_positions]`` of one request (the global estimate if unknown;
+        ``optimism``: the global estimate is its upper bound, see `global_acceptance`).
 
         Each position's own evidence is shrunk towards a prior worth ``prior_strength``
         observations: the global estimate ``g_i``, except that a request doing worse than the
@@ -169,7 +202,7 @@ class AcceptanceModel:
         gets exactly the global estimate; position i depends only on positions <= i, so
         evidence at later positions never moves earlier ones.
         """
-        glob = self.global_acceptance()
+        glob = self.global_acceptance(optimism)
         counts = self._requests.get(req_id)
         if counts is None:
             return glob
@@ -201,3 +234,74 @@ class AcceptanceModel:
 
     def __len__(self) -> int:
         return len(self._requests)
+
+
+# ----------------------------------------------------------------------- confidence calibration
+
+# Bins of the drafter's probability for its token; each starts from the belief that the
+# probability is calibrated (acceptance = the bin's centre) with the weight of this many
+# observations, so a few hundred verified tokens set the curve.
+_CALIBRATION_BINS = 10
+_CALIBRATION_PRIOR_STRENGTH = 4.0
+# The calibration forgets with a time constant of this many verified tokens (a workload change).
+_CALIBRATION_MEMORY = 2048.0
+
+
+class ConfidenceCalibration:
+    """``P(accepted | the draft before it accepted, the drafter's probability c)``, learnt online.
+
+    Binned by ``c``, each bin a Beta estimate starting at the bin's centre; the bins' estimates
+    are made non-decreasing in ``c`` (a more confident drafter is never less right) by isotonic
+    regression, and forget with a time constant of ``memory`` observations.
+    """
+
+    def __init__(self, bins: int = _CALIBRATION_BINS,
+                 prior_strength: float = _CALIBRATION_PRIOR_STRENGTH,
+                 memory: float = _CALIBRATION_MEMORY) -> None:
+        if bins < 1:
+            raise ValueError(f"bins must be >= 1, got {bins}")
+        if not (prior_strength > 0 and memory > 0):
+            raise ValueError("prior_strength and memory must be > 0")
+        self.bins = bins
+        self.prior_strength = prior_strength
+        self._decay = math.exp(-1.0 / memory)
+        self._succ = [0.0] * bins
+        self._trials = [0.0] * bins
+        self._curve: list[float] | None = None
+        self.num_observations = 0
+
+    def _bin(self, conf: float) -> int:
+        return min(self.bins - 1, max(0, int(conf * self.bins)))
+
+    def observe(self, conf: float, accepted: bool) -> None:
+        d = self._decay
+        for i in range(self.bins):
+            self._succ[i] *= d
+            self._trials[i] *= d
+        b = self._bin(conf)
+        self._succ[b] += 1.0 if accepted else 0.0
+        self._trials[b] += 1.0
+        self._curve = None
+        self.num_observations += 1
+
+    def observe_draft(self, confidences: Sequence[float], matched: int, observed: int) -> None:
+        """One draft: its tokens' probabilities, how many leading tokens matched the target's,
+        and how many of its positions the target's tokens can judge. Positions after the first
+        rejection say nothing (the target's text went elsewhere)."""
+        for j in range(min(len(confidences), observed)):
+            accepted = j < matched
+            self.observe(confidences[j], accepted)
+            if not accepted:
+                break
+
+    def curve(self) -> list[float]:
+        if self._curve is None:
+            c = self.prior_strength
+            raw = [(s + c * (i + 0.5) / self.bins) / (n + c)
+                   for i, (s, n) in enumerate(zip(self._succ, self._trials, strict=True))]
+            weights = [n + c for n in self._trials]
+            self._curve = isotonic_regression(raw, weights)
+        return self._curve
+
+    def __call__(self, conf: float) -> float:
+        return self.curve()[self._bin(conf)]

@@ -1,542 +1,783 @@
-"""Lookahead (draft length) policies: the interface, the fixed policy and the adaptive controller.
+"""The lookahead controller: one planner for every placement of the drafters.
 
-Each step the proposer asks a :class:`LookaheadPolicy` how many tokens to draft for every running
-request, and afterwards tells it how many of them the target accepted (:class:`StepFeedback`), how
-long the target's step took (:class:`StepTiming`) and how long the drafter calls took
-(:class:`DraftTiming`). :class:`FixedLookahead` always asks for the configured
-``num_speculative_tokens``, clipped to what the engine and the model length allow.
-:class:`AdaptiveLookahead` picks every request's lookahead to maximise the batch's expected tokens
-per second, from three models learnt online:
+Every step the proposer describes the running requests (`plan.PlanRequest`) and the controller
+returns a `plan.Plan`: which requests the model drafters draft for, how far each request's
+draft may go (0 included), and whether the streaming drafters (process and Ray placements) draft
+on. Its worth is **expected accepted tokens against the step's seconds**, each drafter priced by
+where it runs:
 
-* :class:`AcceptanceModel`: per position conditional acceptance, per request with a global prior;
-* :class:`StepCostModel`: the target step's seconds as a function of the tokens it verifies;
-* :class:`DraftCostModel`: a drafter call's seconds from its batch size and draft length.
+* a model-free voter (n-gram lookup) has drafted already, in microseconds: free;
+* a streaming drafter's ready tokens are free too; keeping it drafting may cost the target time
+  (the cores it lends), and waiting for its late tokens costs the wait;
+* an in-worker drafter computes in the target's step: its first forward catches it up with the
+  request's text and yields a token, each further forward extends the drafts still going.
 
-With model drafters that can be left out (``model_free_mode``), the two plans' predicted step
-times are also checked against the time their steps took (:class:`StepTimeCalibration`, one per
-plan), and which plan is taken is decided by a :class:`DrafterModeController`.
+**The objective.** A step is worth ``E - rho * T``: ``E`` the tokens it is expected to produce
+(output tokens only: one per request plus its accepted drafts), ``T`` its predicted seconds, and
+``rho`` the best rate a step of this batch reaches, found on the step without its prompt chunk
+(the best point of the model-free plan, at least the rate without drafting). Maximising
+``E - rho * T`` with ``rho`` the best rate is the same as maximising the rate ``E / T`` in a step
+without a prompt chunk (Dinkelbach); in a step with one, a draft token must beat the rate a
+decode step reaches, not the low rate of a step that spends most of its time on a prompt (nor
+the high "rate" of counting prompt tokens as output, which shut the model drafters out of
+prompt-heavy steps). A draft token is worth its chance of acceptance; it costs ``rho`` times the
+seconds it adds: its verification, its share of a drafter forward.
 
-The parts live in modules of their own: the interface in `lookahead_types`, acceptance in
-`acceptance`, the cost models in `step_costs`, the plan and its greedy allocation in
-`lookahead_plan`, the switching of model drafting (dwell, margin, retries) in `lookahead_mode`;
-this module keeps the two policies (`AdaptiveLookahead` is the facade that ties the parts
-together) and re-exports the rest, as the entry point to the idea.
+**Plans.** (1) *In hand*: each request takes a prefix of the chain it has already (the
+model-free voters', with the streaming drafters' when they draft), the tokens allocated greedily
+by their chance of acceptance along one path, and the best point of the path taken. (2)
+*Models*: the in-worker drafters draft too, for the requests where it pays: each request's
+model draft is valued from the acceptance of voted chains with model drafts, **conditioned on
+what the step offers it** (with a model-free chain beside it, or with none, which is where a
+model draft pays most), against the chain in hand; the requests are added in the order of that
+benefit and the best prefix is taken, priced with the measured forward costs (the first
+forward's catch-up of each request at the tokens it will compute; the part beyond a normal
+step's catch-up is an investment in the request's later steps and charged spread over them). A
+plan with drafts is taken only with a margin over the one without (``DRAFT_MARGIN``).
 
-Pure (stdlib only, no vllm/torch): :meth:`AdaptiveLookahead.choose` runs every step for up to a
-few hundred requests, so it is written to cost O(n * max_lookahead * log) plain-Python work.
+**What it learns** (`acceptance`, `step_costs`), clean by construction: output tokens only; the
+lookaheads as verified; the prompt tokens of each step from the step itself (`StepTiming`); cost
+curves that drop a shape's first call (oneDNN primitives, compilation), are warmed up at start-up,
+forget old observations, and are made monotone by lowering a slow point rather than raising the
+points after it; acceptance per plan, per context and per request.
+
+**Exploration** is optimistic and bounded: the model plan is also valued with an upper
+confidence bound of its acceptance (wide where it has seldom been verified, and widening again
+as unused evidence ages); when only the optimistic value says it pays, it is taken while the
+predicted price of such steps stays within ``EXPLORE_BUDGET`` of the time run so far. So the
+controller cannot lock the models out for good, and exploring cannot cost more than a few
+percent. The same holds for switching streaming drafters on again (`streaming_mode`).
+
+**While drafting** (:meth:`LengthController.keep_drafting`), an in-worker drafter's draft for a
+request goes on while its next token's chance (the drafter's probabilities, calibrated against
+what the target accepted) beats ``rho`` times its verification, and a forward runs while the
+tokens it and the next ones bring beat ``rho`` times their forwards. **While waiting** for
+streamed drafts (:meth:`LengthController.wait_s`), one more drafter step is waited for while the
+tokens it brings beat ``rho`` times its seconds.
+
+Pure module (stdlib only): runs every step for up to a few hundred requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_smurfs.acceptance import (
-    _DEFAULT_GLOBAL_MEMORY,
-    _DEFAULT_PRIOR_STRENGTH,
-    _DEFAULT_REQUEST_HALF_LIFE_STEPS,
-    AcceptanceModel,
+from vllm_smurfs.acceptance import AcceptanceModel, ConfidenceCalibration
+from vllm_smurfs.lookahead_types import DraftTiming, StepFeedback, StepTiming
+from vllm_smurfs.plan import (
+    DrafterOutcome,
+    Plan,
+    PlanRequest,
+    RequestOutcome,
+    cumulative,
+    expected,
 )
-from vllm_smurfs.lookahead_mode import QUIET_BACKGROUND, DrafterModeController
-from vllm_smurfs.lookahead_plan import (
-    LookaheadPlan,
-    cumulative_acceptance,
-    expected_table,
-    greedy_lookaheads,
-    step_seconds,
-)
-from vllm_smurfs.lookahead_types import (
-    DraftTiming,
-    LookaheadPolicy,
-    RequestView,
-    StepFeedback,
-    StepTiming,
-    _check_max_lookahead,
-    _check_wait_args,
-    room_for_drafts,
-)
-from vllm_smurfs.model_drafting import ModelDrafting
-from vllm_smurfs.step_costs import (
-    _DEFAULT_COST_WINDOW,
-    _DEFAULT_DRAFT_WINDOW,
-    DraftCostModel,
-    StepCostModel,
-    StepTimeCalibration,
-    _PendingSample,
-)
+from vllm_smurfs.step_costs import DraftCostModel, StepCostModel
+from vllm_smurfs.streaming_mode import DWELL_STEPS as DWELL_STEPS_PRICE
+from vllm_smurfs.streaming_mode import StreamingSwitch
 
-__all__ = [
-    "AcceptanceModel",
-    "AdaptiveLookahead",
-    "DraftCostModel",
-    "DraftTiming",
-    "DrafterModeController",
-    "FixedLookahead",
-    "LookaheadPlan",
-    "LookaheadPolicy",
-    "RequestView",
-    "StepCostModel",
-    "StepFeedback",
-    "StepTimeCalibration",
-    "StepTiming",
-    "room_for_drafts",
-]
+__all__ = ["DRAFT_MARGIN", "EXPLORE_BUDGET", "FixedLookahead", "LengthController"]
+
+# A plan with drafts must promise this much more than the plan without them (the model plan over
+# the plan in hand, drafting over not drafting), as a share of the step's worth: predictions
+# carry errors of a few percent (acceptance from a request's last steps, step costs that
+# drift), and under load, where speculation breaks even at best on a 2-core CPU, a plan that
+# only ties pays for them.
+DRAFT_MARGIN = 0.03
+# Exploration (a plan taken only because the optimistic acceptance says it pays) may cost at most
+# this share of the target time run so far, by its predicted price under the mean estimates
+# (the first forwards' catch-up charged in full), plus a start-up allowance of
+# EXPLORE_ALLOWANCE_S seconds so that the first steps can explore.
+EXPLORE_BUDGET = 0.02
+EXPLORE_ALLOWANCE_S = 1.0
+# Standard errors of the upper confidence bound on the model plan's acceptance (see
+# `AcceptanceModel.global_acceptance`): 1 is a one-sided 84% bound.
+OPTIMISM = 1.0
+# A request's catch-up beyond a normal step's (a full accepted lookahead and its bonus token) is
+# an investment in its later steps: charged spread over the steps it is expected to still run
+# (its remaining tokens over its expected tokens per step), at most this many.
+CATCH_UP_SPREAD_STEPS = 32
+# Prompt-chunk tokens of the next step are predicted from the last steps' exact counts, weight
+# 0.5 on the last: chunked prefills come in runs of a few steps.
+_PROMPT_SMOOTHING = 0.5
+# The proposer's own time per step (model-free drafting, voting, planning) is an exponential
+# average with this weight on the last step.
+_OVERHEAD_SMOOTHING = 0.2
+# Before the target's step time is measured, model drafters draft for the requests cheapest to
+# catch up with, this many catch-up tokens in all (at least one request): under a cold burst, a
+# first step for every request would prefill every prompt in the drafter at once.
+_WARMUP_CATCH_UP_TOKENS = 512
 
 
 class FixedLookahead:
-    """Always draft ``num_speculative_tokens`` (clipped); implements :class:`LookaheadPolicy`.
+    """Every request drafts ``num_speculative_tokens`` (clipped) with every drafter, every step."""
 
-    Keeps running totals ``total_drafted`` / ``total_accepted`` for metrics only; they never
-    influence the choice. Timings are ignored and it always waits the full ``max_wait_s``.
-    """
-
-    def __init__(self, num_speculative_tokens: int) -> None:
-        """Raises ValueError when ``num_speculative_tokens < 1``."""
+    def __init__(self, num_speculative_tokens: int, num_worker_drafters: int = 0) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.num_speculative_tokens = num_speculative_tokens
+        self.num_worker_drafters = num_worker_drafters
         self.total_drafted = 0
         self.total_accepted = 0
 
-    def observe(self, feedback: Sequence[StepFeedback], models_ready: bool = True) -> None:
-        for fb in feedback:
-            self.total_drafted += fb.num_draft_tokens
-            self.total_accepted += fb.num_accepted
-
-    def observe_step(self, timing: StepTiming) -> None:
-        return None
-
-    def observe_draft(self, timing: DraftTiming) -> None:
-        return None
-
     @property
-    def models_on(self) -> bool:
+    def streaming(self) -> bool:
         return True
 
-    def choose(self, requests: Sequence[RequestView], max_lookahead: int,
-               free_lens: Sequence[int] | None = None) -> list[int]:
-        """``min(num_speculative_tokens, max_lookahead, room_for_drafts(r))`` per request.
+    def plan(self, requests: Sequence[PlanRequest], max_lookahead: int) -> Plan:
+        top = min(self.num_speculative_tokens, max(0, max_lookahead))
+        ks = [min(top, r.cap) for r in requests]
+        rows = [[i for i, r in enumerate(requests)
+                 if ks[i] > 0 and d < len(r.catch_up) and r.catch_up[d] is not None]
+                for d in range(self.num_worker_drafters)]
+        return Plan(lookaheads=ks, model_rows=rows, streaming=True, mode="fixed",
+                    sync_rows=[i for i, k in enumerate(ks) if k > 0])
 
-        Raises:
-            ValueError: when ``max_lookahead < 0``.
-        """
-        _check_max_lookahead(max_lookahead)
-        cap = min(self.num_speculative_tokens, max_lookahead)
-        return [min(cap, room_for_drafts(r)) for r in requests]
+    def keep_drafting(self, plan: Plan, drafter: int, active: Sequence[int],
+                      confidences: Sequence[Sequence[float]], drafted_s: float = 0.0
+                      ) -> list[int]:
+        return list(active)
 
-    def wait_bound(
-        self, requests: Sequence[RequestView], ready: Sequence[int], max_wait_s: float
-    ) -> float:
-        """Always ``max_wait_s``: a fixed lookahead has no model to weigh the wait against."""
-        _check_wait_args(requests, ready, max_wait_s)
+    def wait_s(self, plan: Plan, late: Sequence[tuple[int, int]], max_wait_s: float) -> float:
         return max_wait_s
 
-    def forget(self, req_ids: Iterable[str]) -> None:
-        # No per-request state; the totals are global and must survive request turnover.
-        return None
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted over drafted so far; None before anything was drafted."""
-        if self.total_drafted == 0:
-            return None
-        return self.total_accepted / self.total_drafted
-
-    def snapshot(self) -> dict[str, Any]:
-        rate = self.acceptance_rate
-        return {
-            "policy": "fixed",
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "total_drafted": self.total_drafted,
-            "total_accepted": self.total_accepted,
-            "acceptance_rate": None if rate is None else round(rate, 6),
-        }
-
-
-# ------------------------------------------------------------------------------------ controller
-
-# Every 16 steps the request that has gone longest without a draft gets one draft token: the only
-# way to notice that a request (or the whole workload, when everything sits at k=0 under heavy
-# load) became predictable. It costs at most one token of verification per 16 steps, <0.2% of the
-# step at 32 requests.
-_DEFAULT_PROBE_INTERVAL = 16
-# Prefill chunks share the step with the decodes; their tokens ("background") are tracked as an
-# exponential average with weight 0.5 on the last step: chunked prefills come in runs of a few
-# steps, so the last step is the best guess of the next one, and the average drops back within a
-# few steps after the run.
-_BACKGROUND_SMOOTHING = 0.5
-
-
-class AdaptiveLookahead:
-    """Per-request lookaheads maximising the batch's expected tokens per second.
-
-    For a choice ``k_1..k_n`` the batch is predicted to do ``B + sum_r E_r(k_r)`` tokens of work
-    (:meth:`AcceptanceModel.expected_tokens`, plus the prefill tokens ``B`` the steps have been
-    carrying: a prompt token is work the run must do as much as an output token, so drafts that
-    slow a compute-bound prefill step, or take its token budget, count against themselves; the
-    alternative measured, leaving the chunk's time out and pricing draft tokens at what they add
-    on top of it, drafted more in prefill steps and ran 5-10% slower served, see
-    docs/results-history.md) in
-    ``T = target(B + sum_r (1 + k_r)) + visible drafting``, where ``target`` is the
-    :class:`StepCostModel`, and the drafting time is the :class:`DraftCostModel` of a call of
-    ``max k_r`` positions for the requests with ``k_r > 0``: all of it in synchronous mode, only
-    ``max(0, draft - target)`` when ``pipelined`` (drafts are computed behind the target's step).
-    Drafters run concurrently in their own processes, so one call is modelled, not their sum.
-
-    ``choose`` allocates draft tokens greedily: every request starts at its minimum, and the next
-    token always goes to the request with the largest marginal gain ``prod_{i<=k+1} p_i``. Because
-    each ``E_r`` is concave (the gains never increase) and the target's time depends only on the
-    total, the allocation along this path is the best one for each total token count (the
-    drafting time, which depends on the longest draft, is evaluated along the path, not
-    optimised). The choice is the point of the path with the highest predicted rate; the whole
-    path is scanned, so a cost curve with steps does not stop it early. Cost: one sort of
-    ``sum_r (cap_r - min_r)`` gains and one cost evaluation per gain (~1 ms for 64 requests at
-    max 8, ~4 ms for 256, in CPython).
-
-    Exploration, instead of hand-entered costs: with no step timing yet every request drafts its
-    maximum (sampling the largest token count; without any timing ever, the controller stays a
-    fixed maximal lookahead); after the first timing, one step drafts the minimum (sampling the
-    smallest). From then on the cost model is optimistic where it has not measured (flat beyond a
-    flat region, the lowest convex completion inside gaps, a lower confidence bound on thinly
-    measured token counts), so the controller goes and measures what it has not, and settles
-    where the measurements say. Every ``probe_interval`` steps the request that has gone longest
-    without a draft gets one token, so acceptance is never unobserved for good.
-
-    The price of exploring is paid once per engine: at 32 requests where speculation does not
-    pay, the first step at k=max costs ~8 normal steps (1.3% of a 19k-token simulated run).
-    """
-
-    def __init__(
-        self,
-        max_lookahead: int,
-        min_lookahead: int = 0,
-        pipelined: bool = True,
-        *,
-        request_half_life_steps: float = _DEFAULT_REQUEST_HALF_LIFE_STEPS,
-        prior_strength: float = _DEFAULT_PRIOR_STRENGTH,
-        global_memory: float = _DEFAULT_GLOBAL_MEMORY,
-        cost_window: int = _DEFAULT_COST_WINDOW,
-        draft_window: int = _DEFAULT_DRAFT_WINDOW,
-        probe_interval: int = _DEFAULT_PROBE_INTERVAL,
-        model_free_mode: bool = False,
-        free_mode: bool | None = None,
-        drafting: ModelDrafting | None = None,
-    ) -> None:
-        """See the module constants for the defaults' justification.
-
-        ``model_free_mode`` (``free_mode``: its old name, still accepted): also consider, every
-        step, leaving the model drafters out (drafts from the model-free voters only, see
-        ``choose``'s ``free_lens``), with its own step-cost curve (`StepTiming.drafting` False:
-        e.g. the target then has the cores it lends to drafters) and its own acceptance model;
-        the better of the two plans is taken, with a margin and a minimum dwell against
-        flapping. Each plan's predicted rate is corrected by how long its steps took, the proposer's own time included, against their predicted
-        time (:class:`StepTimeCalibration`; sampled in steps without prompt chunks, and for
-        the model plan only once the drafters have caught up after a switch).
-
-        ``drafting``: the proposer's record of whether the model drafters draft (they may be
-        switched off for a step the policy gave them: a prompt-heavy one); shown in the snapshot.
-        What ran reaches the model through `StepTiming.drafting`; `models_on` stays the plan.
-
-        Raises:
-            ValueError: naming the setting, when ``max_lookahead < 1``, ``min_lookahead`` is not
-                in ``[0, max_lookahead]``, ``probe_interval < 0`` (0 disables probing), or a
-                tunable is out of range.
-        """
-        if max_lookahead < 1:
-            raise ValueError(f"max_lookahead must be >= 1, got {max_lookahead}")
-        if not (0 <= min_lookahead <= max_lookahead):
-            raise ValueError(
-                f"min_lookahead must be in [0, max_lookahead={max_lookahead}], got {min_lookahead}"
-            )
-        if probe_interval < 0:
-            raise ValueError(f"probe_interval must be >= 0 (0 disables), got {probe_interval}")
-        if cost_window < 1:
-            raise ValueError(f"cost_window must be >= 1, got {cost_window}")
-        if draft_window < 1:
-            raise ValueError(f"draft_window must be >= 1, got {draft_window}")
-        if free_mode is not None:  # the old spelling, kept for one release
-            model_free_mode = model_free_mode or free_mode
-        self.max_lookahead = max_lookahead
-        self.min_lookahead = min_lookahead
-        self.pipelined = pipelined
-        self.probe_interval = probe_interval
-        self.acceptance = AcceptanceModel(
-            max_lookahead, request_half_life_steps, prior_strength, global_memory)
-        self.step_cost = StepCostModel(cost_window)
-        self.draft_cost = DraftCostModel(draft_window)
-        self.model_free_mode = model_free_mode
-        self.acceptance_model_free = AcceptanceModel(
-            max_lookahead, request_half_life_steps, prior_strength, global_memory)
-        self.step_cost_model_free = StepCostModel(cost_window)
-        self.calibration = StepTimeCalibration()
-        self.calibration_model_free = StepTimeCalibration()
-        self.mode = DrafterModeController()
-        self.drafting = drafting
-        self._sample: _PendingSample | None = None
-        self._steps = 0  # choose() calls with at least one request
-        self._explored_low = False
-        self._background = 0.0
-        self._planned_tokens: int | None = None  # decode tokens of the last choice
-        self._last_drafted: dict[str, int] = {}
-        self.plan: LookaheadPlan | None = None  # the last choice's plan (wait_bound reads it)
-
-    # The names before "free" meant model-free everywhere (kept for one release).
-    @property
-    def free_mode(self) -> bool:
-        return self.model_free_mode
-
-    @property
-    def step_cost_free(self) -> StepCostModel:
-        return self.step_cost_model_free
-
-    @property
-    def acceptance_free(self) -> AcceptanceModel:
-        return self.acceptance_model_free
-
-    @property
-    def calibration_free(self) -> StepTimeCalibration:
-        return self.calibration_model_free
-
-    @property
-    def switches(self) -> int:
-        """Model drafting switched on or off (by the greedy choice or a retry)."""
-        return self.mode.switches
-
-    @property
-    def retries(self) -> int:
-        return self.mode.retries
-
-    # -- learning ---------------------------------------------------------------------------
-    @property
-    def models_on(self) -> bool:
-        return self.mode.models_on
-
-    def observe(self, feedback: Sequence[StepFeedback], models_ready: bool = True) -> None:
-        """The last choice's outcome (after its :meth:`observe_step`, as the proposer calls)."""
-        # The feedback is about the drafts of the last choice, made in its mode.
-        (self.acceptance if self.mode.models_on else self.acceptance_model_free).observe(feedback)
-        self.mode.observe_feedback(any(fb.num_draft_tokens for fb in feedback), models_ready)
-        sample, self._sample = self._sample, None
-        if sample is not None and sample.taken_s is not None and (models_ready
-                                                                   or not sample.models):
-            (self.calibration if sample.models else self.calibration_model_free).observe(
-                sample.predicted_s, sample.taken_s)
+    def observe(self, outcomes: Sequence[RequestOutcome]) -> None:
+        for o in outcomes:
+            if o.voted is not None:
+                self.total_drafted += o.voted[0]
+                self.total_accepted += o.voted[1]
 
     def observe_step(self, timing: StepTiming) -> None:
-        without = self.step_cost_model_free
-        self.mode.observe_step(timing.seconds, timing.drafting,
-                               None if without.is_empty else without(timing.num_tokens))
-        cost = self.step_cost if timing.drafting or not self.model_free_mode else without
-        cost.observe(timing.num_tokens, timing.seconds)
-        extra = 0
-        if self._planned_tokens is not None:
-            # Verified drafts can be shorter than chosen (the vote, the scheduler), hence the
-            # floor: background is then underestimated, never negative.
-            extra = max(0, timing.num_tokens - self._planned_tokens)
-            self._background += _BACKGROUND_SMOOTHING * (extra - self._background)
-            self._planned_tokens = None
-        if self._sample is not None:
-            # A prompt chunk came (its time is not the plan's), or the model plan drafted
-            # nothing and the step ran without the model drafters: not a sample of the plan.
-            if extra or timing.drafting != self._sample.models:
-                self._sample = None
-            else:
-                self._sample.taken_s = timing.seconds + timing.overhead_s
+        return None
+
+    def observe_pass(self, drafter: int, num_tokens: int, seconds: float) -> None:
+        return None
 
     def observe_draft(self, timing: DraftTiming) -> None:
+        return None
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        return None
+
+    def snapshot(self) -> dict[str, Any]:
+        rate = self.total_accepted / self.total_drafted if self.total_drafted else None
+        return {"policy": "fixed", "num_speculative_tokens": self.num_speculative_tokens,
+                "total_drafted": self.total_drafted, "total_accepted": self.total_accepted,
+                "acceptance_rate": None if rate is None else round(rate, 6)}
+
+
+@dataclass
+class _Point:
+    """A point of a plan: expected tokens, target tokens, seconds (without the target's part)."""
+
+    expected: float
+    tokens: float
+    extra_s: float = 0.0  # drafter forwards and calls
+
+
+@dataclass
+class _ModelChoice:
+    """The best model plan found: its rows (with lookahead caps and catch-ups), value, cost."""
+
+    rows: list[int]
+    ks: dict[int, int]
+    value: float
+    expected: float
+    tokens: float
+    extra_s: float
+    full_catch_up_s: float  # the first forwards' price with catch-ups charged in full
+
+
+class LengthController:
+    """The one adaptive controller (see the module docstring).
+
+    ``num_worker_drafters``: in-worker model drafters (the plan has a row list per drafter).
+    ``streaming``: there are streaming drafters (process or Ray, pipelined) that the plan
+    switches on and off; ``sync_drafters``: there are process drafters drafting synchronously
+    (``pipeline: false``), priced by their measured call time. ``min_lookahead``: every request
+    drafts at least this many tokens with the model drafters (>= 1 keeps them in every step);
+    ``pause_models``: False keeps the model drafters drafting in every step that drafts.
+    """
+
+    def __init__(self, max_lookahead: int, num_worker_drafters: int = 0, *,
+                 streaming: bool = False, sync_drafters: bool = False, min_lookahead: int = 0,
+                 pause_models: bool = True) -> None:
+        if max_lookahead < 1:
+            raise ValueError(f"max_lookahead must be >= 1, got {max_lookahead}")
+        if not 0 <= min_lookahead <= max_lookahead:
+            raise ValueError(f"min_lookahead must be in [0, {max_lookahead}], got {min_lookahead}")
+        if num_worker_drafters < 0:
+            raise ValueError(f"num_worker_drafters must be >= 0, got {num_worker_drafters}")
+        self.max_lookahead = max_lookahead
+        self.min_lookahead = min_lookahead
+        self.pause_models = pause_models
+        self.num_worker_drafters = num_worker_drafters
+        self.sync_drafters = sync_drafters
+        self.has_models = bool(num_worker_drafters or streaming or sync_drafters)
+        self.force_models = self.has_models and (min_lookahead > 0 or not pause_models)
+        self.acceptance_free = AcceptanceModel(max_lookahead)
+        # Voted chains with model drafts in their vote: with a model-free chain beside them, and
+        # alone (the request had none: where a model draft pays most).
+        self.acceptance_models = {True: AcceptanceModel(max_lookahead),
+                                  False: AcceptanceModel(max_lookahead)}
+        self.target_cost = StepCostModel()
+        # With streaming drafters, steps while they draft have a curve of their own (the target
+        # may lend them cores; never priced below the curve without).
+        self.target_cost_streaming = StepCostModel()
+        self.pass_costs = [StepCostModel() for _ in range(num_worker_drafters)]
+        self.calibrations = [ConfidenceCalibration() for _ in range(num_worker_drafters)]
+        self.draft_cost = DraftCostModel()  # streaming engine steps, synchronous calls
+        self.switch = (StreamingSwitch(always_on=self.force_models) if streaming else None)
+        self._prompt = 0.0  # predicted prompt-chunk tokens of the next step
+        self._overhead_s = 0.0
+        self._elapsed_s = 0.0  # target seconds observed so far
+        self.explore_spent_s = 0.0
+        self.steps = 0
+        self.counts = {"steps_with_models": 0, "explore_steps": 0, "request_steps": 0,
+                       "with_models": 0, "in_hand_only": 0, "no_draft": 0,
+                       "without_models_free_chain": 0, "without_models_no_chain": 0}
+        self._last: dict[str, Any] = {}
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the streaming drafters draft now (their drafts in hand join the vote)."""
+        return self.switch is not None and self.switch.on
+
+    # -- learning ------------------------------------------------------------------------------
+    def observe_step(self, timing: StepTiming) -> None:
+        """The target's last step: exact token counts (the prompt chunk's from the step itself)
+        and seconds; ``overhead_s`` is the proposer's own time before it, less drafter forwards
+        and waits (priced on their own)."""
+        curve = (self.target_cost_streaming if timing.drafting and self.switch is not None
+                 else self.target_cost)
+        curve.observe(timing.num_tokens, timing.seconds)
+        self._elapsed_s += timing.seconds
+        self._overhead_s += _OVERHEAD_SMOOTHING * (timing.overhead_s - self._overhead_s)
+        self._prompt += _PROMPT_SMOOTHING * (timing.prompt_tokens - self._prompt)
+
+    def observe_pass(self, drafter: int, num_tokens: int, seconds: float) -> None:
+        """One forward of in-worker drafter ``drafter`` over ``num_tokens`` tokens."""
+        self.pass_costs[drafter].observe(num_tokens, seconds)
+
+    def observe_draft(self, timing: DraftTiming) -> None:
+        """A streaming drafter's engine step, or a synchronous drafter's call."""
         self.draft_cost.observe(timing.num_positions, timing.num_reqs, timing.seconds)
+
+    def observe(self, outcomes: Sequence[RequestOutcome]) -> None:
+        """The last step's outcomes, one per request that had a chain or a model draft."""
+        free: list[StepFeedback] = []
+        models: dict[bool, list[StepFeedback]] = {True: [], False: []}
+        delivered = wanted = 0
+        for o in outcomes:
+            if o.free is not None and o.free.tokens > 0:
+                free.append(StepFeedback(o.req_id, *o.free.seen))
+            if o.models and o.voted is not None and o.voted[0] > 0:
+                models[o.with_free].append(StepFeedback(o.req_id, *o.voted))
+            for cal, draft in zip(self.calibrations, o.drafters, strict=False):
+                if draft is not None:
+                    cal.observe_draft(draft.confidences, draft.matched, draft.observed)
+            if o.models:
+                wanted += 1
+                delivered += o.voted is not None and o.voted[0] > 0
+        self.acceptance_free.observe(free)
+        for with_free, feedback in models.items():
+            self.acceptance_models[with_free].observe(feedback)
+        if self.switch is not None and self.switch.on:
+            self.switch.observe_delivery(delivered, wanted)
 
     def forget(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
-        self.acceptance.forget(req_ids)
-        self.acceptance_model_free.forget(req_ids)
-        for req_id in req_ids:
-            self._last_drafted.pop(req_id, None)
-        if self.plan is not None:
-            self.plan.forget(req_ids)
+        self.acceptance_free.forget(req_ids)
+        for model in self.acceptance_models.values():
+            model.forget(req_ids)
 
-    # -- deciding ---------------------------------------------------------------------------
-    def _drafting_cost(self, num_tokens: float) -> float:
-        """Predicted seconds of a target step with model drafting: its own curve, never below
-        the curve without (drafters take cores from the target or share them, never add any;
-        this also prices token counts the drafting curve has not measured, e.g. prefill-heavy
-        steps, at least at what they cost without drafting)."""
-        t = self.step_cost(num_tokens)
-        if self.model_free_mode and not self.step_cost_model_free.is_empty:
-            t = max(t, self.step_cost_model_free(num_tokens))
+    # -- costs ---------------------------------------------------------------------------------
+    def _target(self, streaming: bool) -> StepCostModel:
+        return self.target_cost_streaming if streaming and self.switch is not None else \
+            self.target_cost
+
+    def _target_s(self, tokens: float, streaming: bool) -> float:
+        """Predicted target seconds: with streaming drafters drafting, never below the curve
+        without them (they take cores from the target or share them, never add any; token
+        counts measured only without them are not guessed cheap)."""
+        t = self.target_cost(tokens)
+        if streaming and self.switch is not None and not self.target_cost_streaming.is_empty:
+            t = max(t, self.target_cost_streaming(tokens))
         return t
 
-    def choose(self, requests: Sequence[RequestView], max_lookahead: int,
-               free_lens: Sequence[int] | None = None) -> list[int]:
-        """One lookahead per request in ``[min(min_lookahead, cap), cap]``, where ``cap =
-        min(self.max_lookahead, max_lookahead, room_for_drafts(r))``; with
-        ``model_free_mode`` and the model drafters left out (`models_on` False), ``cap`` is
-        also at most ``free_lens[i]`` (0 where it is not given). The choice is kept as
-        :attr:`plan`.
-
-        Raises:
-            ValueError: when ``max_lookahead < 0`` or ``free_lens`` has another length.
-        """
-        _check_max_lookahead(max_lookahead)
-        n = len(requests)
-        if free_lens is not None and len(free_lens) != n:
-            raise ValueError(f"got {len(free_lens)} free_lens for {n} requests")
-        if n == 0:
-            return []
-        ids = [r.req_id for r in requests]
-        self.acceptance.tick(ids)
-        self._steps += 1
-        top = min(self.max_lookahead, max_lookahead)
-        caps = [min(top, room_for_drafts(r)) for r in requests]
-        ks, models, mode, caps, cum = self._choose_mode(ids, caps, free_lens)
-        self.mode.commit(self._steps, models, greedy=mode.startswith("greedy"))
-        expected = expected_table(cum)
-
-        if self.probe_interval and self._steps % self.probe_interval == 0:
-            candidates = [i for i in range(n) if ks[i] == 0 and caps[i] >= 1]
-            if candidates:
-                i = min(candidates, key=lambda j: self._last_drafted.get(ids[j], -1))
-                ks[i] = 1
-                mode += "+probe"
-        for req_id, k in zip(ids, ks, strict=True):
-            if k > 0:
-                self._last_drafted[req_id] = self._steps
-            else:
-                self._last_drafted.setdefault(req_id, self._steps)
-        self.plan = self._plan(ids, ks, expected, models, mode)
-        return ks
-
-    def _choose_mode(self, ids: list[str], caps: list[int], free_lens: Sequence[int] | None
-                     ) -> tuple[list[int], bool, str, list[int], list[list[float]]]:
-        """(lookaheads, whether the model drafters draft, how it was chosen, the caps and
-        cumulative acceptances of the plan taken): exploration first, then a retry of the
-        model drafters when due, else the better of the two plans (`DrafterModeController`)."""
-        lows = [min(self.min_lookahead, c) for c in caps]
-        cum = cumulative_acceptance(self.acceptance, ids, caps)
-        model_free = self.model_free_mode
-        if model_free:
-            self.acceptance_model_free.tick(ids)
-            free_caps = [min(c, max(0, int(f))) for c, f in
-                         zip(caps, free_lens if free_lens is not None else [0] * len(ids),
-                             strict=True)]
-            free_lows = [min(self.min_lookahead, c) for c in free_caps]
-
-        if self.step_cost.is_empty:
-            return list(caps), True, "explore-max", caps, cum
-        if not self._explored_low and len(self.step_cost.knots()) < 2 and lows != caps:
-            self._explored_low = True
-            return list(lows), True, "explore-min", caps, cum
-        if model_free and self.step_cost_model_free.is_empty:
-            # One step without model drafting, to measure what it costs.
-            return (list(free_caps), False, "explore-free", free_caps,
-                    cumulative_acceptance(self.acceptance_model_free, ids, free_caps))
-        if model_free and not self.mode.models_on and self.mode.retry_due(self._steps,
-                                                                          self._background):
-            self.mode.start_retry(self._steps)
-            return ([min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)], True,
-                    "retry", caps, cum)
-        retrying = model_free and self.mode.retrying(self._steps, self._background)
-        if retrying:  # a retry drafts, or it learns nothing
-            lows = [min(max(1, lo), c) for lo, c in zip(lows, caps, strict=True)]
-        ks, rate = greedy_lookaheads(cum, caps, lows, self._drafting_cost, self._background,
-                                     self.draft_cost, self.pipelined)
-        mode = "retry" if retrying else "greedy"
-        if not model_free:
-            return ks, True, mode, caps, cum
-        cum_free = cumulative_acceptance(self.acceptance_model_free, ids, free_caps)
-        ks_free, rate_free = greedy_lookaheads(cum_free, free_caps, free_lows,
-                                               self.step_cost_model_free, self._background,
-                                               None, self.pipelined)
-        # Each plan's rate corrected by its calibration; the model plan's shrunk towards the
-        # other's: until it is measured, it is taken to pay the overhead both plans pay (the
-        # proposer's own time), not to have none.
-        free_factor = self.calibration_model_free.factor()
-        models = self.mode.choose_models(self._steps, rate * self.calibration.factor(free_factor),
-                                         rate_free * free_factor, retrying)
-        if not models:
-            return ks_free, False, "greedy-free", free_caps, cum_free
-        return ks, True, mode, caps, cum
-
-    def _plan(self, ids: list[str], ks: list[int], expected: list[list[float]], models: bool,
-              mode: str) -> LookaheadPlan:
-        """The choice as a plan, with its predicted time (and a calibration sample pending)."""
-        tokens = sum(1 + k for k in ks)
-        self._planned_tokens = tokens
-        quiet = self._background < QUIET_BACKGROUND
-        total_tokens = self._background + tokens
-        target_s = (self._drafting_cost if models else self.step_cost_model_free)(total_tokens)
-        num_drafted = sum(1 for k in ks if k > 0)
-        step_s = (step_seconds(target_s, self.draft_cost(max(ks), num_drafted), self.pipelined)
-                  if models else target_s)
-        # Explore steps are predicted from curves that have not measured them yet.
-        self._sample = (_PendingSample(models, step_s) if self.model_free_mode and quiet
-                        and not mode.startswith("explore") else None)
-        hist: dict[str, int] = {}
-        for k in ks:
-            hist[str(k)] = hist.get(str(k), 0) + 1
-        return LookaheadPlan(
-            lookaheads=dict(zip(ids, ks, strict=True)),
-            expected=dict(zip(ids, expected, strict=True)), models=models, mode=mode,
-            num_drafted=num_drafted, decode_tokens=tokens, background_tokens=self._background,
-            expected_tokens=sum(e[k] for e, k in zip(expected, ks, strict=True)),
-            target_seconds=target_s, step_seconds=step_s, histogram=hist)
-
-    def wait_bound(
-        self, requests: Sequence[RequestView], ready: Sequence[int], max_wait_s: float
-    ) -> float:
-        """How long the step should wait for the drafters' next step.
-
-        ``requests`` are the requests of the last :meth:`choose` whose drafts are still being
-        drafted, ``ready[i]`` the tokens ``requests[i]`` has ready now (fewer than chosen).
-        Drafters stream one token per request per engine step of ``t_d`` seconds
-        (:class:`DraftCostModel` at one position), so waiting ``t_d`` brings each late request
-        one more token, worth ``E_r(ready + 1) - E_r(ready)`` expected tokens. The batch now
-        yields ``S`` tokens in ``T`` (the chosen lookaheads, late drafts cut to what is ready);
-        waiting pays when ``(S + G) / (T + t_d) > S / T``: then the answer is ``t_d`` (clipped to
-        ``max_wait_s``), else 0 (:meth:`LookaheadPlan.wait_bound`, on the last :attr:`plan`).
-        The proposer asks again after each drafter step, so a wait stops as soon as the next
-        token is not worth its time. In synchronous mode, or before the drafters' speed was
-        measured, it is ``max_wait_s``.
-        """
-        _check_wait_args(requests, ready, max_wait_s)
-        if not requests:
+    def _models_s(self, catch_up: Sequence[float], num_rows: int, max_k: int) -> float:
+        """Seconds the model drafters take for ``num_rows`` requests drafted up to ``max_k``
+        tokens: each in-worker drafter's first forward (``catch_up[d]`` tokens) and ``max_k - 1``
+        extensions; a synchronous drafter's call."""
+        if num_rows <= 0 or max_k <= 0:
             return 0.0
-        plan = self.plan
-        t_d = self.draft_cost(1, max(1, plan.num_drafted if plan is not None else len(requests)))
-        if not self.pipelined or plan is None or t_d <= 0:
+        total = 0.0
+        for d, cost in enumerate(self.pass_costs):
+            if catch_up[d] > 0:
+                total += cost(catch_up[d]) + (max_k - 1) * cost(num_rows)
+        if self.sync_drafters:
+            total += self.draft_cost(max_k, num_rows)
+        return total
+
+    # -- planning ------------------------------------------------------------------------------
+    def plan(self, requests: Sequence[PlanRequest], max_lookahead: int) -> Plan:
+        """This step's plan (see the module docstring). ``max_lookahead``: the scheduler's cap."""
+        n = len(requests)
+        nd = self.num_worker_drafters
+        if n == 0:
+            return Plan([], [[] for _ in range(nd)])
+        self.steps += 1
+        ids = [r.req_id for r in requests]
+        self.acceptance_free.tick(ids)
+        for model in self.acceptance_models.values():
+            model.tick(ids)
+        top = max(0, min(self.max_lookahead, max_lookahead))
+        caps = [min(top, r.cap) for r in requests]
+        streaming = self.switch is not None and self.switch.on
+        can_model = [i for i in range(n) if caps[i] > 0 and (
+            any(c is not None for c in requests[i].catch_up[:nd]) or self.sync_drafters)]
+        if self.target_cost.is_empty and self.target_cost_streaming.is_empty:
+            plan = self._warmup_plan(requests, caps, can_model, streaming)
+        else:
+            plan = self._best_plan(requests, caps, can_model, streaming)
+        self._count(requests, plan)
+        return plan
+
+    def _hand_curves(self, requests: Sequence[PlanRequest], caps: list[int], streaming: bool,
+                     optimism: float = 0.0) -> list[list[float]]:
+        """Per request, the cumulative acceptance of the chain in hand, as far as it goes: the
+        model-free chain's, or, where streaming drafters have drafted for it, the voted chain's
+        with model drafts (up to the cap: the rest may come while the step waits)."""
+        out = []
+        for r, cap in zip(requests, caps, strict=True):
+            if streaming and r.streamed_len > 0:
+                model = self.acceptance_models[r.free_len > 0]
+                out.append(cumulative(model.request_acceptance(r.req_id, optimism), cap))
+            else:
+                out.append(cumulative(self.acceptance_free.request_acceptance(r.req_id),
+                                      min(cap, r.free_len)))
+        return out
+
+    def _model_curves(self, requests: Sequence[PlanRequest], caps: list[int],
+                      optimism: float) -> list[list[float]]:
+        return [cumulative(self.acceptance_models[r.free_len > 0].request_acceptance(
+            r.req_id, optimism), cap) for r, cap in zip(requests, caps, strict=True)]
+
+    def _best_plan(self, requests: Sequence[PlanRequest], caps: list[int], can_model: list[int],
+                   streaming: bool) -> Plan:
+        n = len(requests)
+        prompt = self._prompt
+        overhead = self._overhead_s
+        lows = [min(self.min_lookahead, c) for c in caps]
+
+        def target(tokens: float) -> float:
+            return self._target_s(tokens, streaming)
+
+        hand = self._hand_curves(requests, caps, streaming)
+        path = _greedy_path(hand, [0] * n)
+        # rho: the best rate of a step of this batch without its prompt chunk (at least the rate
+        # without drafting), on the plan in hand.
+        rho = max(p.expected / max(target(p.tokens) + overhead, 1e-9) for p in path)
+
+        def value(p: _Point, with_prompt: bool = True) -> float:
+            return p.expected - rho * (target(p.tokens + (prompt if with_prompt else 0.0))
+                                       + overhead + p.extra_s)
+
+        none_value = value(path[0])
+        # The margin is a share of the decode step's worth: the prompt chunk's time is the same
+        # in every plan of the step and carries no error of the plan's.
+        margin = DRAFT_MARGIN * rho * (target(path[0].tokens) + overhead)
+        best_i = max(range(len(path)), key=lambda i: value(path[i]))
+        if value(path[best_i]) - none_value < margin:
+            best_i = 0
+        hand_point = path[best_i]
+        hand_ks = _ks_of_path(hand, best_i)
+        hand_value = value(hand_point)
+        verify_s = _marginal(target, hand_point.tokens + prompt, max(1, n))
+
+        choice, mode, explore = None, "in-hand" if best_i else "none", False
+        models_allowed = self.has_models and can_model and (
+            self.num_worker_drafters or self.sync_drafters)
+        if models_allowed:
+            mean_curves = self._model_curves(requests, caps, 0.0)
+            choice = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
+                                        mean_curves, rho, verify_s, value, streaming)
+            if self.force_models:
+                mode = "models"
+            elif choice is not None and choice.value - hand_value > margin:
+                mode = "models"
+            else:
+                opt_curves = self._model_curves(requests, caps, OPTIMISM)
+                optimistic = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
+                                                opt_curves, rho, verify_s, value, streaming)
+                if optimistic is not None and optimistic.value - hand_value > margin:
+                    # Its price under the mean estimates, the catch-ups charged in full.
+                    mean_value = _revalue(optimistic, hand, hand_ks, mean_curves)
+                    price_s = max(0.0, hand_value - mean_value) / max(rho, 1e-9) + (
+                        optimistic.full_catch_up_s - optimistic.extra_s)
+                    if self.explore_spent_s + price_s <= self._explore_allowance():
+                        self.explore_spent_s += price_s
+                        choice, mode, explore = optimistic, "explore", True
+                        self.counts["explore_steps"] += 1
+                    else:
+                        choice = None
+                else:
+                    choice = None
+            if mode not in ("models", "explore"):
+                choice = None
+        if self.switch is not None:
+            self._decide_streaming(requests, caps, rho, hand_value, margin)
+        if choice is None:
+            ks = hand_ks
+            gains = {i: hand[i] for i, r in enumerate(requests)
+                     if streaming and r.streamed_len > 0 and ks[i] > 0}
+            self._last = {"mode": mode, "rho": rho, "value": hand_value,
+                          "expected_tokens": hand_point.expected, "num_reqs": n,
+                          "prompt_tokens": prompt}
+            return Plan(lookaheads=ks, model_rows=[[] for _ in range(self.num_worker_drafters)],
+                        streaming=self.switch.on if self.switch is not None else False,
+                        rho=rho, verify_s=verify_s, mode=mode,
+                        expected_tokens=hand_point.expected,
+                        step_seconds=target(hand_point.tokens + prompt) + overhead, gains=gains)
+        return self._model_plan(requests, caps, hand_ks, choice, rho, verify_s, mode, target,
+                                prompt, overhead, streaming)
+
+    def _model_choice(self, requests: Sequence[PlanRequest], caps: list[int], lows: list[int],
+                      can_model: list[int], hand: list[list[float]], hand_ks: list[int],
+                      curves: list[list[float]], rho: float, verify_s: float, value: Any,
+                      streaming: bool) -> _ModelChoice | None:
+        """The best model plan: requests added by decreasing benefit, at every common draft
+        length ``K``; the best (prefix, ``K``) taken.
+
+        A request's model draft goes as far as a token's chance beats its verification (the
+        stop rule decides while drafting; here at most ``K``); the forwards are priced as they
+        run: the first over every drafted request's catch-up, then ``K - 1`` extensions."""
+        nd = self.num_worker_drafters
+        base_expected = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
+        base_tokens = float(sum(1 + k for k in hand_ks))
+        cands = []
+        for i in can_model:
+            r = requests[i]
+            qs = curves[i]
+            top = max(lows[i], 1)
+            while top < caps[i] and qs[top] > rho * verify_s:
+                top += 1
+            top = min(top, caps[i])
+            spread = _spread_steps(r.remaining, expected(qs, top))
+            full = [float(c) if c is not None else 0.0 for c in _catch_ups(r, nd)]
+            charged = [_charged(c, self.max_lookahead, spread) for c in _catch_ups(r, nd)]
+            # Ordering: what the request gains against its verification and its catch-up.
+            net = expected(qs, top) - expected(hand[i], hand_ks[i]) - rho * (
+                verify_s * (top - hand_ks[i]) + sum(
+                    cost(c + 1) - cost(1) for cost, c in zip(self.pass_costs, charged,
+                                                              strict=True)))
+            cands.append((net, i, top, charged, full))
+        if not cands:
+            return None
+        cands.sort(key=lambda c: -c[0])
+        best: _ModelChoice | None = None
+        longest = max(top for _, _, top, _, _ in cands)
+        for K in range(1, longest + 1):
+            exp_tokens, tokens = base_expected, base_tokens
+            catch_up = [0.0] * nd
+            full_catch_up = [0.0] * nd
+            rows: list[int] = []
+            ks: dict[int, int] = {}
+            for net, i, top, charged, full in cands:
+                if net <= 0 and rows and not self.force_models:
+                    break
+                k = max(min(top, K), min(lows[i], caps[i]))
+                rows.append(i)
+                ks[i] = k
+                exp_tokens += expected(curves[i], k) - expected(hand[i], hand_ks[i])
+                tokens += k - hand_ks[i]
+                for d in range(nd):
+                    catch_up[d] += charged[d]
+                    full_catch_up[d] += full[d]
+                max_k = max(ks.values())
+                extra = self._models_s(catch_up, len(rows), max_k)
+                v = value(_Point(exp_tokens, tokens, extra))
+                if best is None or v > best.value or (self.force_models
+                                                      and len(rows) > len(best.rows)):
+                    best = _ModelChoice(list(rows), dict(ks), v, exp_tokens, tokens, extra,
+                                        self._models_s(full_catch_up, len(rows), max_k))
+        return best
+
+    def _model_plan(self, requests: Sequence[PlanRequest], caps: list[int], hand_ks: list[int],
+                    choice: _ModelChoice, rho: float, verify_s: float, mode: str, target: Any,
+                    prompt: float, overhead: float, streaming: bool) -> Plan:
+        n = len(requests)
+        nd = self.num_worker_drafters
+        rows = set(choice.rows)
+        model_rows = [sorted(i for i in choice.rows if _catch_ups(requests[i], nd)[d] is not None)
+                      for d in range(nd)]
+        # Model rows draft up to their cap (the stop rule ends each draft); the others keep the
+        # chain in hand.
+        ks = [caps[i] if i in rows else hand_ks[i] for i in range(n)]
+        seconds = target(choice.tokens + prompt) + overhead + choice.extra_s
+        # The step's own rate without its prompt chunk, if better than the plan in hand's: the
+        # stop rule weighs each further token against it.
+        own = choice.expected / max(target(choice.tokens) + overhead + choice.extra_s, 1e-9)
+        rho_plan = max(rho, own)
+        self._last = {"mode": mode, "rho": rho_plan, "value": choice.value,
+                      "expected_tokens": choice.expected, "num_reqs": n,
+                      "model_rows": len(rows), "prompt_tokens": prompt,
+                      "explore_spent_s": self.explore_spent_s}
+        return Plan(lookaheads=ks, model_rows=model_rows,
+                    streaming=self.switch.on if self.switch is not None else False,
+                    sync_rows=sorted(rows) if self.sync_drafters else [], rho=rho_plan, verify_s=verify_s, mode=mode,
+                    expected_tokens=choice.expected, step_seconds=seconds)
+
+    def _warmup_plan(self, requests: Sequence[PlanRequest], caps: list[int],
+                     can_model: list[int], streaming: bool) -> Plan:
+        """Before the target's step time is measured: chains in hand in full, and the model
+        drafters for the requests cheapest to catch up with (they measure their forwards and
+        start their acceptance)."""
+        nd = self.num_worker_drafters
+        chosen: list[int] = []
+        if self.has_models and (nd or self.sync_drafters):
+            budget = _WARMUP_CATCH_UP_TOKENS
+
+            def cost(i: int) -> int:
+                return sum(c for c in requests[i].catch_up[:nd] if c is not None)
+
+            for i in sorted(can_model, key=cost):
+                if chosen and cost(i) > budget and not self.force_models:
+                    break
+                chosen.append(i)
+                budget -= cost(i)
+        rows = set(chosen)
+        ks = [caps[i] if i in rows else min(caps[i], max(r.free_len, r.streamed_len if streaming
+                                                          else 0))
+              for i, r in enumerate(requests)]
+        model_rows = [sorted(i for i in chosen if _catch_ups(requests[i], nd)[d] is not None)
+                      for d in range(nd)]
+        self._last = {"mode": "warmup", "num_reqs": len(requests), "model_rows": len(rows)}
+        return Plan(lookaheads=ks, model_rows=model_rows,
+                    sync_rows=sorted(rows) if self.sync_drafters else [],
+                    streaming=self.switch.on if self.switch is not None else False,
+                    mode="warmup")
+
+    def _decide_streaming(self, requests: Sequence[PlanRequest], caps: list[int], rho: float,
+                          current_value: float, margin: float) -> None:
+        """Whether the streaming drafters draft on (`streaming_mode.StreamingSwitch`): the plan
+        in hand this step against the plan in the other mode, as it would be in steady state
+        (with streaming, every request has a streamed chain, its acceptance scaled by how often
+        one was ready in time), each on its own target curve."""
+        assert self.switch is not None
+        on = self.switch.on
+
+        def best_value(curves: list[list[float]], streaming: bool) -> float:
+            return max(p.expected - rho * (self._target_s(p.tokens + self._prompt, streaming)
+                                           + self._overhead_s)
+                       for p in _greedy_path(curves, [0] * len(curves)))
+
+        def streamed(optimism: float) -> list[list[float]]:
+            delivery = self.switch.delivery
+            return [[delivery * q for q in cumulative(self.acceptance_models[
+                r.free_len > 0].request_acceptance(r.req_id, optimism), c)]
+                for r, c in zip(requests, caps, strict=True)]
+
+        if on:
+            value_on = optimistic_on = current_value
+            value_off = best_value([cumulative(self.acceptance_free.request_acceptance(
+                r.req_id), min(c, r.free_len)) for r, c in zip(requests, caps, strict=True)],
+                False)
+        else:
+            value_off = current_value
+            value_on = best_value(streamed(0.0), True)
+            optimistic_on = best_value(streamed(OPTIMISM), True)
+        # A retry's price: what the steps of its dwell lose by the mean estimates.
+        price_s = DWELL_STEPS_PRICE * max(0.0, value_off - value_on) / max(rho, 1e-9)
+        retry_ok = self.explore_spent_s + price_s <= self._explore_allowance()
+        if (self.switch.decide(self.steps, value_on, value_off, optimistic_on, margin, retry_ok)
+                and self.switch.exploring):
+            self.explore_spent_s += price_s
+
+    def _explore_allowance(self) -> float:
+        """Seconds exploration may have cost so far (see EXPLORE_BUDGET)."""
+        return EXPLORE_BUDGET * self._elapsed_s + EXPLORE_ALLOWANCE_S
+
+    # -- while drafting ------------------------------------------------------------------------
+    def keep_drafting(self, plan: Plan, drafter: int, active: Sequence[int],
+                      confidences: Sequence[Sequence[float]], drafted_s: float = 0.0
+                      ) -> list[int]:
+        """Which of the ``active`` requests get one more token from in-worker drafter
+        ``drafter`` (indices into ``confidences``: the drafter's probability of each token it
+        drafted so far, per request of its ``plan.model_rows``).
+
+        A request's next ``h`` tokens are worth ``q * (a + ... + a^h)``: ``q`` the chance that
+        its draft so far is accepted (the calibrated probabilities multiplied), ``a`` the chance
+        of a next token given its predecessors (its last token's calibrated probability: the
+        drafter's certainty runs in streaks). A request goes on while its next token's worth
+        beats ``rho`` times its verification; the forward runs while, for some ``h``, the
+        requests that go on bring more over the next ``h`` forwards than ``rho`` times those
+        forwards and their verification (a confidently continuing draft pays over several).
+        """
+        if not active:
+            return []
+        cal = self.calibrations[drafter]
+        rho = plan.rho
+        keep: list[tuple[int, float, float]] = []
+        for i in active:
+            confs = confidences[i]
+            if not confs:
+                continue
+            q = 1.0
+            for c in confs:
+                q *= cal(c)
+            a = cal(confs[-1])
+            if q * a > rho * plan.verify_s:
+                keep.append((i, q, a))
+        if not keep:
+            return []
+        cost = self.pass_costs[drafter]
+        if cost.is_empty or rho <= 0:
+            return [i for i, _, _ in keep]
+        pass_s = cost(len(keep)) + len(keep) * plan.verify_s
+        for h in range(1, self.max_lookahead + 1):
+            worth = sum(q * sum(a ** j for j in range(1, h + 1)) for _, q, a in keep)
+            if worth > rho * h * pass_s:
+                return [i for i, _, _ in keep]
+        return []
+
+    def wait_s(self, plan: Plan, late: Sequence[tuple[int, int]], max_wait_s: float) -> float:
+        """Seconds to wait for the streaming drafters' next engine step, given the ``late``
+        requests (row, tokens ready) whose plan wants more than is ready: one drafter step
+        (its measured time) while the tokens it brings beat ``rho`` times it, else 0."""
+        if not late or max_wait_s <= 0:
+            return 0.0
+        t_d = self.draft_cost(1, max(1, len(late)))
+        if t_d <= 0 or plan.rho <= 0:
             return max_wait_s
-        return plan.wait_bound(requests, ready, max_wait_s, t_d)
+        gain = 0.0
+        for row, ready in late:
+            qs = plan.gains.get(row)
+            k = plan.lookaheads[row] if row < len(plan.lookaheads) else 0
+            if qs is not None and ready < min(k, len(qs)):
+                gain += qs[ready]
+        if gain <= plan.rho * t_d:
+            return 0.0
+        return min(t_d, max_wait_s)
+
+    # -- reporting -----------------------------------------------------------------------------
+    def _count(self, requests: Sequence[PlanRequest], plan: Plan) -> None:
+        c = self.counts
+        rows = plan.model_row_set
+        c["steps_with_models"] += bool(rows)
+        for i, r in enumerate(requests):
+            c["request_steps"] += 1
+            streamed = plan.streaming and r.streamed_len > 0
+            if i in rows or streamed:
+                c["with_models"] += 1
+            elif r.free_len > 0:
+                c["without_models_free_chain"] += 1
+            else:
+                c["without_models_no_chain"] += 1
+            if plan.lookaheads[i] == 0:
+                c["no_draft"] += 1
+            elif i not in rows:
+                c["in_hand_only"] += 1
 
     def snapshot(self) -> dict[str, Any]:
-        glob = self.acceptance.global_acceptance()
-        e, q = [1.0], 1.0
-        for p in glob:
-            q *= p
-            e.append(e[-1] + q)
-        free = self.acceptance_model_free.global_acceptance()
-        free_factor = self.calibration_model_free.factor()
-        last = self.plan.summary() if self.plan is not None else {}
-        # The keys are a metrics format: "free" keeps meaning model-free there.
+        def rounded(xs: Sequence[float]) -> list[float]:
+            return [round(x, 4) for x in xs]
+
         return {
             "policy": "adaptive",
-            "pipelined": self.pipelined,
-            "free_mode": self.model_free_mode,
-            **self.mode.snapshot(),
-            "steps": self._steps,
-            "step_cost_free": self.step_cost_model_free.snapshot(),
-            "calibration": {"models": self.calibration.snapshot(free_factor),
-                            "free": self.calibration_model_free.snapshot()},
-            "acceptance_free": [round(p, 4) for p in free],
-            "step_cost": self.step_cost.snapshot(),
+            "steps": self.steps,
+            **self.counts,
+            "explore_spent_s": round(self.explore_spent_s, 4),
+            "elapsed_s": round(self._elapsed_s, 4),
+            "acceptance_free": rounded(self.acceptance_free.global_acceptance()),
+            "acceptance_models": rounded(self.acceptance_models[False].global_acceptance()),
+            "acceptance_models_with_free": rounded(
+                self.acceptance_models[True].global_acceptance()),
+            "observations_models": rounded(self.acceptance_models[False].global_trials()),
+            "prompt_tokens": round(self._prompt, 2),
+            "overhead_s": round(self._overhead_s, 6),
+            "target_cost": self.target_cost.snapshot(),
+            **({"target_cost_streaming": self.target_cost_streaming.snapshot(),
+                "streaming": self.switch.snapshot()} if self.switch is not None else {}),
+            "drafters": [{"pass_cost": c.snapshot(),
+                          "calibration": [round(p, 3) for p in cal.curve()],
+                          "calibration_observations": cal.num_observations}
+                         for c, cal in zip(self.pass_costs, self.calibrations, strict=True)],
             "draft_cost": self.draft_cost.snapshot(),
-            "background_tokens": round(self._background, 3),
-            "acceptance": {
-                "global": [round(p, 4) for p in glob],
-                "observations": [round(n, 2) for n in self.acceptance.global_trials()],
-                "expected_tokens": [round(x, 4) for x in e],
-                "requests_tracked": len(self.acceptance),
-            },
-            "last_choice": {k: (round(v, 9) if isinstance(v, float) else v)
-                            for k, v in last.items()},
-            **({"model_drafting": self.drafting.snapshot()} if self.drafting is not None else {}),
+            "last_plan": {k: (round(v, 6) if isinstance(v, float) else v)
+                          for k, v in self._last.items()},
         }
+
+
+def _greedy_path(curves: list[list[float]], lows: list[int]) -> list[_Point]:
+    """The points of the greedy allocation: draft tokens added one at a time, the one with the
+    largest chance of acceptance first (each request's chances never increase along its draft,
+    so every prefix is a valid allocation, and the best one for its token count)."""
+    exp_tokens = sum(expected(q, lo) for q, lo in zip(curves, lows, strict=True))
+    tokens = float(sum(1 + lo for lo in lows))
+    points = [_Point(exp_tokens, tokens)]
+    for g, _, _ in _gains(curves, lows):
+        exp_tokens += g
+        tokens += 1
+        points.append(_Point(exp_tokens, tokens))
+    return points
+
+
+def _gains(curves: list[list[float]], lows: list[int]) -> list[tuple[float, int, int]]:
+    gains = [(qs[j - 1], r, j) for r, (qs, lo) in enumerate(zip(curves, lows, strict=True))
+             for j in range(lo + 1, len(qs) + 1)]
+    # Stable sort by gain only: within a request gains never increase, so equal gains keep their
+    # (request, position) order.
+    gains.sort(key=lambda g: -g[0])
+    return gains
+
+
+def _ks_of_path(curves: list[list[float]], length: int) -> list[int]:
+    ks = [0] * len(curves)
+    for _, r, j in _gains(curves, [0] * len(curves))[:length]:
+        ks[r] = j
+    return ks
+
+
+def _catch_ups(request: PlanRequest, num_drafters: int) -> list[int | None]:
+    """The request's catch-up per in-worker drafter (None where it cannot draft)."""
+    return [request.catch_up[d] if d < len(request.catch_up) else None
+            for d in range(num_drafters)]
+
+
+def _marginal(curve: Any, tokens: float, span: int) -> float:
+    """Seconds per token the curve adds from ``tokens`` over the next ``span`` tokens."""
+    return max(0.0, (curve(tokens + span) - curve(tokens)) / span)
+
+
+def _spread_steps(remaining: int | None, tokens_per_step: float) -> float:
+    steps = float(CATCH_UP_SPREAD_STEPS)
+    if remaining is not None:
+        steps = min(steps, remaining / max(tokens_per_step, 1.0))
+    return max(1.0, steps)
+
+
+def _charged(tokens: int | None, max_lookahead: int, spread: float) -> float:
+    """Catch-up tokens charged to this step: all of a normal step's (a full accepted lookahead
+    and its bonus token), the rest spread over the request's later steps."""
+    if tokens is None:
+        return 0.0
+    normal = max_lookahead + 1
+    if tokens <= normal:
+        return float(tokens)
+    return normal + (tokens - normal) / spread
+
+
+def _revalue(choice: _ModelChoice, hand: list[list[float]], hand_ks: list[int],
+             curves: list[list[float]]) -> float:
+    """A model choice's value with its expected tokens taken from ``curves`` instead."""
+    delta = sum(expected(curves[i], k) - expected(hand[i], hand_ks[i])
+                for i, k in choice.ks.items())
+    base = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
+    return choice.value - choice.expected + base + delta
+
+
+# Re-exported for the proposer and the tests (the parts' own modules define them).
+__all__ += ["DrafterOutcome", "Plan", "PlanRequest", "RequestOutcome"]

@@ -61,9 +61,10 @@ class StepTiming:
     # and steps without model drafting have their own cost curves.
     drafting: bool = True
     # The proposer's own time for this step's drafts, spent before it (drafting with the
-    # model-free voters, waiting for the model drafters, voting): part of what the step's
-    # tokens cost, though not of the target's cost curve.
+    # model-free voters, voting, planning; not drafter forwards or waits, priced on their own).
     overhead_s: float = 0.0
+    # Of num_tokens, the prompt-chunk tokens (exact, from the step's scheduler output).
+    prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_reqs < 0:
@@ -72,6 +73,9 @@ class StepTiming:
             raise ValueError(f"num_tokens must be >= 0, got {self.num_tokens}")
         _check_seconds("seconds", self.seconds)
         _check_seconds("overhead_s", self.overhead_s)
+        if not 0 <= self.prompt_tokens <= self.num_tokens:
+            raise ValueError(f"prompt_tokens must be in [0, num_tokens={self.num_tokens}], "
+                             f"got {self.prompt_tokens}")
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 vLLM builds it as a ``custom_class`` proposer in the worker and calls `propose` after every target
 step. Per step it (1) scores every drafter's previous draft against the tokens the target
-produced and updates the vote weights, (2) asks the length policy for each request's lookahead,
-(3) gets each drafter's draft from the `DrafterPool`, and (4) returns the weighted
-prefix-tree vote per request. The algorithms live in `vote_sampler` and `length_controller`.
+produced, updates the vote weights and tells the controller what the step taught (acceptance,
+the step's and the drafters' times), (2) describes the running requests to the controller and
+takes its plan, (3) drafts by it (model-free voters, streamed drafts, in-worker forwards that
+stop by the controller's rule), and (4) returns the weighted prefix-tree vote per request. The
+algorithms live in `vote_sampler` and `length_controller`.
 
 Verification is vLLM's own rejection sampler with the draft treated as one-hot: greedy output is
 the target's own, sampled output has the target's distribution.
@@ -24,20 +26,12 @@ import numpy as np
 
 from vllm_smurfs import cores
 from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
+from vllm_smurfs.length_controller import FixedLookahead, LengthController
+from vllm_smurfs.lookahead_types import DraftTiming, StepTiming
 from vllm_smurfs.metrics import DrafterStats, SmurfsStats
 from vllm_smurfs.model_drafting import ModelDrafting
-from vllm_smurfs.length_controller import (
-    AdaptiveLookahead,
-    DraftTiming,
-    FixedLookahead,
-    LookaheadPolicy,
-    RequestView,
-    StepFeedback,
-    StepTiming,
-    room_for_drafts,
-)
 from vllm_smurfs.multi_draft_worker import DraftRequest, DrafterPool
-from vllm_smurfs.step_planner import DrafterOutcome, Plan, PlanRequest, StepPlanner
+from vllm_smurfs.plan import DrafterOutcome, Plan, PlanRequest, RequestOutcome
 from vllm_smurfs.trace import TraceRequest, TraceStep
 from vllm_smurfs.vote_sampler import (
     DrafterWeights,
@@ -49,8 +43,10 @@ from vllm_smurfs.vote_sampler import (
 
 logger = logging.getLogger(__name__)
 
-#: Token counts whose GEMMs are created with all the target's threads at start-up when it lends
-#: cores to model drafters (vLLM keeps 32 per layer): the decode steps of small batches.
+#: Token counts whose GEMMs are created with all the target's threads at start-up (vLLM-CPU keeps
+#: one oneDNN primitive per token count, built at its first call): the decode steps of small
+#: batches, so that their first steps are neither slow nor, when the target lends cores to
+#: model drafters, stuck on fewer threads.
 _WARM_TOKEN_COUNTS = 32
 
 
@@ -76,43 +72,27 @@ class _RequestState:
     weights: DrafterWeights
     drafts: list[list[int]] | None = None  # each drafter's draft of the last step
     voted: list[int] | None = None  # the chain sent to the target last step
-    chosen: int = 0  # the lookahead the policy chose for it last step
-    # In-worker drafting: each drafter's probability of each of its draft tokens (empty for the
-    # others), the model-free voters' chain, and whether the model drafters drafted for it.
+    free_chain: list[int] | None = None  # the model-free voters' own chain
+    models: bool = False  # model drafts (in-worker or streamed) were in its vote
+    with_free: bool = False  # a model-free chain was in hand when it was planned
+    # Each in-worker drafter's probability of each of its draft tokens (empty for the others).
     confidences: list[list[float]] | None = None
-    free_chain: list[int] | None = None
-    models: bool = False
 
 
-def make_policy(config: SmurfsConfig, drafting: ModelDrafting | None = None) -> LookaheadPolicy:
-    """The lookahead policy ``config.lookahead`` asks for (drafting with process drafters);
-    ``drafting``: the record of whether the model drafters draft, for the adaptive policy."""
+Controller = LengthController | FixedLookahead
+
+
+def make_controller(config: SmurfsConfig) -> Controller:
+    """The lookahead controller ``config.lookahead`` asks for, priced by where the drafters run."""
+    num_worker = len(config.worker_drafters)
     if config.lookahead.policy == "fixed":
-        return FixedLookahead(config.num_speculative_tokens)
-    return AdaptiveLookahead(config.num_speculative_tokens,
-                             min_lookahead=config.lookahead.min_tokens,
-                             pipelined=config.pipeline,
-                             # min_tokens >= 1 asks for model drafts in every step.
-                             model_free_mode=config.lookahead.pause_drafters
-                             and bool(config.model_drafters)
-                             and config.lookahead.min_tokens == 0,
-                             drafting=drafting)
-
-
-def in_worker_mode(config: SmurfsConfig) -> bool:
-    """Whether steps are planned for synchronous in-worker drafting: every model drafter is in
-    the target's worker (with a process drafter, the streaming machinery and its policy lead,
-    and in-worker drafters draft each step's chosen lookahead)."""
-    return bool(config.worker_drafters) and not config.process_drafters
-
-
-def make_planner(config: SmurfsConfig) -> StepPlanner | None:
-    """The adaptive controller of in-worker drafting (None: a fixed lookahead)."""
-    if not in_worker_mode(config) or config.lookahead.policy == "fixed":
-        return None
-    return StepPlanner(config.num_speculative_tokens, len(config.worker_drafters),
-                       min_lookahead=config.lookahead.min_tokens,
-                       pause_models=config.lookahead.pause_drafters)
+        return FixedLookahead(config.num_speculative_tokens, num_worker)
+    external = bool(config.process_drafters)
+    return LengthController(config.num_speculative_tokens, num_worker,
+                            streaming=external and config.pipeline,
+                            sync_drafters=external and not config.pipeline,
+                            min_lookahead=config.lookahead.min_tokens,
+                            pause_models=config.lookahead.pause_drafters)
 
 
 def owns_drafters() -> bool:
@@ -156,12 +136,10 @@ class SmurfsProposer:
         model_config = vllm_config.model_config
         self.num_speculative_tokens = self.config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len
-        # Whether the model drafters draft: the one record, which the policy, the drafter pool
-        # (and through it the target's lent cores) consult or are told by.
+        # Whether the streaming drafters draft: the one record, which the drafter pool (and
+        # through it the target's lent cores) is told by.
         self.model_drafting = ModelDrafting()
-        self.policy = make_policy(self.config, self.model_drafting)
-        self.in_worker_mode = in_worker_mode(self.config)
-        self.planner = make_planner(self.config)
+        self.controller: Controller = make_controller(self.config)
         self.rule = WeightUpdateRule(**self.config.vote.model_dump())
         self.global_weights = DrafterWeights([d.weight for d in self.config.drafters], self.rule)
         self.owns_drafters = owns_drafters()
@@ -179,7 +157,9 @@ class SmurfsProposer:
         self._step: StepContext | None = None
         self._last_log = time.monotonic()
         self._returned_at: float | None = None  # when propose() last returned
-        self._overhead_s = 0.0  # how long the last propose() took
+        self._overhead_s = 0.0  # the last propose()'s own time (less forwards and waits)
+        self._prompt_tokens = 0  # prompt-chunk tokens of the step being computed (exact)
+        self._passes: list[tuple[int, int, float]] = []  # (drafter, tokens, s) of the last step
         self._trace: TextIO | None = None
         if self.config.trace_file:
             # Line-buffered: a trace of a run that is killed keeps every step it finished.
@@ -188,13 +168,7 @@ class SmurfsProposer:
             weakref.finalize(self, self._trace.close)  # when the engine lets the proposer go
         self.model_drafting.subscribe(self.worker.use_models)
         self._last_req_ids: frozenset[str] = frozenset()
-        # Requests that were running when the model drafters (re)started and that they have not
-        # delivered a draft for since: they are re-prefilling them (a paused drafter drops its
-        # requests), so a lookahead they leave undelivered is the switch's one-off cost, not
-        # what a lookahead brings; requests that arrive later count from their start.
-        self._catching_up: set[str] = set()
-        self._models_ready = True  # the model drafters had caught up with the last step
-        self._plan_record: dict[str, Any] | None = None  # the last in-worker plan, for the trace
+        self._plan_record: dict[str, Any] | None = None  # the last plan, for the trace
 
     # -- vLLM's proposer interface ------------------------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
@@ -205,23 +179,24 @@ class SmurfsProposer:
                 logger.exception("Smurfs in-worker drafter %s could not load", drafter.name)
                 drafter.fail(f"could not load: {type(exc).__name__}: {exc}")
         self.worker.start()
-        if self.worker.lends_cores and target_model is not None:
-            # Before any core is lent: the GEMMs of decode-sized steps, created now with all
-            # the target's threads, keep them (see before_forward).
+        if target_model is not None and self.owns_drafters:
+            # The GEMMs of decode-sized steps are created now, with all the target's threads:
+            # the first steps are not slowed by it, and a core lent later cannot stick to them.
             cores.warm_gemms(target_model, range(1, _WARM_TOKEN_COUNTS + 1))
 
     def before_forward(self, prompt_tokens: int) -> None:
-        """The target is about to compute a step with ``prompt_tokens`` prompt-chunk tokens.
+        """The target is about to compute a step with ``prompt_tokens`` prompt-chunk tokens
+        (exact: the controller learns the step's cost and the next steps' prompt from it).
 
         A CPU GEMM primitive keeps the thread count it was created with and vLLM caches one per
-        token count: a step computed while the target lends cores to the model drafters can
+        token count: a step computed while the target lends cores to the streaming drafters can
         leave its token count on fewer threads for good (a 2048-token prefill step ran at half
         speed for the rest of a served run). Prompt chunks bring new token counts, so such a
-        step gets the cores back first: the model drafters pause (their drafts for it are
+        step gets the cores back first: the streaming drafters pause (their drafts for it are
         taken already) and the step counts as one without them.
         """
+        self._prompt_tokens = prompt_tokens
         if prompt_tokens > 0 and self.worker.lends_cores and self.model_drafting.take_back():
-            self._catching_up = set()
             self.stats.prefill_takebacks += 1
 
     @property
@@ -231,10 +206,15 @@ class SmurfsProposer:
     def initialize_attn_backend(self, kv_cache_config: Any,
                                 kernel_block_sizes: list[int] | None = None) -> None:
         """The runner has sized the KV cache (the in-worker drafters' layers included): give
-        each in-worker drafter its attention groups (see patches.model_runner_kv_cache)."""
-        for drafter in self.in_worker_drafters:
-            if drafter.health.alive:
-                drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+        each in-worker drafter its attention groups (see patches.model_runner_kv_cache), then
+        warm its forwards up (their first calls build kernels; their second calls are the
+        controller's first cost measurements)."""
+        for j, drafter in enumerate(self.in_worker_drafters):
+            if not drafter.health.alive:
+                continue
+            drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+            for num_tokens, seconds in drafter.warm_up(self.num_speculative_tokens):
+                self.controller.observe_pass(j, num_tokens, seconds)
 
     @property
     def draft_attn_groups(self) -> list[Any]:
@@ -267,226 +247,193 @@ class SmurfsProposer:
             # (With no request in common the engine may have been idle in between: not timed.)
             step_s = called - self._returned_at
             self.stats.target_step_s += step_s
-            timing = StepTiming(len(step.req_ids), step.num_scheduled_tokens, step_s,
-                                drafting=self.model_drafting.on, overhead_s=self._overhead_s)
-            if self.planner is not None:
-                self.planner.observe_step(timing)
-            else:
-                self.policy.observe_step(timing)
+            prompt = min(self._prompt_tokens, step.num_scheduled_tokens)
+            self.controller.observe_step(StepTiming(
+                len(step.req_ids), step.num_scheduled_tokens, step_s,
+                drafting=self.model_drafting.on, overhead_s=self._overhead_s,
+                prompt_tokens=prompt))
         self._last_req_ids = frozenset(step.req_ids)
         self.forget(step.finished_req_ids | step.restarted_req_ids)
-        feedback = self._learn(step, sampled_token_ids)
+        outcomes = self._learn(step, sampled_token_ids)
         # Streaming drafters report each engine step: one position for every sequence in it.
         draft_timings = [DraftTiming(n, 1, s) for n, s in self.worker.step_timings()]
         for timing in draft_timings:
-            self.policy.observe_draft(timing)
+            self.controller.observe_draft(timing)
         if self._trace is not None and step_s is not None:
-            self._write_trace(step, sampled_token_ids, num_tokens_no_spec, feedback, step_s,
+            self._write_trace(step, sampled_token_ids, num_tokens_no_spec, outcomes, step_s,
                               draft_timings)
+        self._passes = []
 
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]
-        views = [RequestView(step.req_ids[i], int(num_tokens_no_spec[i]), self.max_model_len)
-                 for i in rows]
         max_lookahead = min(step.max_spec_tokens or self.num_speculative_tokens,
                             self.num_speculative_tokens)
-        contexts = [token_ids_cpu[i, : view.num_tokens].copy() for i, view in zip(rows, views)]
-        free = self.worker.model_free_drafts([DraftRequest(view.req_id, context, max_lookahead)
-                                        for view, context in zip(views, contexts)])
-        for state in (self._states.get(step.req_ids[i]) for i in rows):
-            if state is not None:
-                state.drafts = state.voted = state.confidences = state.free_chain = None
-                state.models = False
+        requests = [DraftRequest(step.req_ids[i], token_ids_cpu[i, : int(num_tokens_no_spec[i])]
+                                 .copy(), max_lookahead) for i in rows]
         proposals: list[list[int]] = [[] for _ in sampled_token_ids]
-        drafting = 0.0
-        if self.in_worker_mode:
-            drafting = self._propose_in_worker(step, rows, views, contexts, free, max_lookahead,
-                                               proposals)
-        else:
-            drafting = self._propose_streaming(step, rows, views, contexts, free, max_lookahead,
-                                               proposals)
+        forwards_s = waited_s = 0.0
+        if requests:
+            forwards_s, waited_s = self._draft_and_vote(step, rows, requests, max_lookahead,
+                                                        proposals)
         self.stats.steps += 1
         self._maybe_log()
         self._returned_at = time.perf_counter()
-        # The proposer's own time, less the in-worker forwards (priced on their own curves).
-        self._overhead_s = self._returned_at - called - drafting
+        # The proposer's own time, less the drafter forwards and waits (priced on their own).
+        self._overhead_s = max(0.0, self._returned_at - called - forwards_s - waited_s)
         self.stats.proposer_s += self._returned_at - called
         return proposals
 
-    def _propose_streaming(self, step: StepContext, rows: list[int], views: list[RequestView],
-                           contexts: list[np.ndarray], free: list[list[list[int]]],
-                           max_lookahead: int, proposals: list[list[int]]) -> float:
-        """A step with process drafters: the policy chooses the lookaheads and whether the model
-        drafters draft; streamed drafts are taken as they are ready (in-worker drafters, if
-        any, draft the chosen lookaheads). Returns the seconds in-worker forwards took."""
-        lookaheads = self.policy.choose(views, max_lookahead,
-                                        [max(map(len, per), default=0) for per in free])
-        # Model drafters draft (and borrow the cores they share with the target) only for a
-        # step the policy gives to them and that drafts anything.
-        models = (self.policy.models_on and any(lookaheads) and self.worker.models_alive)
-        # A switch starts (the drafters must catch up with the requests running) or pauses
-        # them; the pool is told by `model_drafting` and lends or takes back the shared cores.
-        if self.model_drafting.step(models):
-            self._catching_up = {view.req_id for view in views} if models else set()
-        self.stats.steps_without_models += not models
-        chosen = [(i, view, k, context, per) for i, view, k, context, per
-                  in zip(rows, views, lookaheads, contexts, free) if k > 0]
-        requests = [DraftRequest(view.req_id, context, k) for _, view, k, context, _ in chosen]
-        drafts = self._collect(requests, [view for _, view, _, _, _ in chosen], models,
-                               [per for *_, per in chosen])
-        drafting_s = 0.0
-        for d in self.worker.in_worker_indices if models else ():
-            drafter = self.worker.drafters[d]
-            picked = [n for n, (_, view, *_) in enumerate(chosen)
-                      if drafter.can_draft(view.num_tokens)]
-            if not picked:
-                continue
-            result = drafter.draft_safely(
-                [requests[n].req_id for n in picked],
-                np.asarray([chosen[n][0] for n in picked]),
-                [requests[n].context for n in picked], [requests[n].k for n in picked],
-                step.runner, None)
-            drafting_s += sum(p.seconds for p in result.passes)
-            for n, tokens in zip(picked, result.tokens):
-                drafts[n][d] = tokens
-        voted = []
-        for (row, *_), request, per_drafter in zip(chosen, requests, drafts):
-            voted.append(self._vote(request.req_id, row, request.k, per_drafter, proposals))
-        if self.config.pipeline and models:
-            # Drafters go on past the chains while the target verifies them.
-            self.worker.track(requests, voted, [self._max_lead(r.k) for r in requests])
-        self.stats.drafting_s += drafting_s
-        return drafting_s
-
-    def _propose_in_worker(self, step: StepContext, rows: list[int], views: list[RequestView],
-                           contexts: list[np.ndarray], free: list[list[list[int]]],
-                           max_lookahead: int, proposals: list[list[int]]) -> float:
-        """A step with in-worker drafters: plan it, draft in the target's worker, vote.
-        Returns the seconds the drafters' forwards took."""
-        n = len(views)
-        model_free_indices = self.worker.model_free_indices
-        in_worker = self.worker.in_worker_indices
-        drafters = [self.worker.drafters[d] for d in in_worker]
-        # The model-free voters' own chain per request, at the longest lookahead.
-        free_chains = []
-        for view, per in zip(views, free):
-            weights = self._state(view.req_id).weights.weights
-            free_chains.append(weighted_prefix_vote(
-                [per[d] for d in model_free_indices], [weights[d] for d in model_free_indices],
-                max_len=max_lookahead).tokens if model_free_indices else [])
-        if self.planner is not None:
-            plan = self.planner.plan([
-                PlanRequest(view.req_id, view.num_tokens, view.max_model_len, len(chain),
-                            tuple(d.catch_up_tokens(view.req_id, view.num_tokens)
-                                  if d.can_draft(view.num_tokens) else None for d in drafters),
-                            remaining=_remaining_tokens(step.runner, view.req_id))
-                for view, chain in zip(views, free_chains)], max_lookahead)
+    # -- one step ---------------------------------------------------------------------------------
+    def _draft_and_vote(self, step: StepContext, rows: list[int], requests: list[DraftRequest],
+                        max_lookahead: int, proposals: list[list[int]]) -> tuple[float, float]:
+        """Plan the step, draft by the plan, vote; returns (drafter forward seconds, seconds
+        waited for streamed drafts)."""
+        worker = self.worker
+        n = len(requests)
+        free_idx = worker.model_free_indices
+        in_worker = worker.in_worker_indices
+        external_idx = worker.model_indices  # process and Ray drafters
+        pipelined = self.config.pipeline
+        drafts = worker.model_free_drafts(requests)  # [request][drafter], free ones filled
+        worker.poll()
+        # Streaming drafters that draft now have drafts in hand: what they have ready.
+        in_hand = bool(external_idx) and pipelined and self.controller.streaming
+        if in_hand:
+            ready = worker.ready(requests, True, drafts)
+            for per, new in zip(drafts, ready, strict=True):
+                for d in external_idx:
+                    per[d] = new[d]
+        free_chains, free_lens, streamed_lens = [], [], []
+        for request, per in zip(requests, drafts, strict=True):
+            weights = self._state(request.req_id).weights.weights
+            chain = weighted_prefix_vote([per[d] for d in free_idx],
+                                         [weights[d] for d in free_idx],
+                                         max_len=max_lookahead).tokens if free_idx else []
+            free_chains.append(chain)
+            free_lens.append(len(chain))
+            streamed_lens.append(max((len(per[d]) for d in external_idx), default=0))
+        drafters = [worker.drafters[d] for d in in_worker]
+        plan = self.controller.plan([
+            PlanRequest(r.req_id, len(r.context), self.max_model_len, free_lens[i],
+                        streamed_lens[i],
+                        tuple(d.catch_up_tokens(r.req_id, len(r.context))
+                              if d.can_draft(len(r.context)) else None for d in drafters),
+                        remaining=_remaining_tokens(step.runner, r.req_id))
+            for i, r in enumerate(requests)], max_lookahead)
+        model_rows = plan.model_row_set
+        # The process drafters work for this step: pipelined, all requests while streaming is
+        # on (they lend cores only when there is something to draft); synchronous, the plan's.
+        alive = bool(external_idx) and worker.models_alive
+        if pipelined:
+            external_rows = set(range(n)) if (alive and plan.streaming
+                                              and any(plan.lookaheads)) else set()
         else:
-            ks = self.policy.choose(views, max_lookahead)
-            plan = Plan(lookaheads=ks, free_lens=list(ks),
-                        model_rows=[[i for i in range(n) if ks[i] > 0
-                                     and d.can_draft(views[i].num_tokens)] for d in drafters],
-                        rate=0.0, verify_s=0.0, mode="fixed")
-        self.stats.steps_without_models += not plan.models
-        tokens: list[list[list[int]]] = [[[] for _ in drafters] for _ in range(n)]
+            external_rows = set(plan.sync_rows) if alive else set()
+        self.model_drafting.step(bool(external_rows))
+        self.stats.steps_without_models += not (model_rows or external_rows or (
+            in_hand and any(streamed_lens)))
+
+        waited_s = 0.0
+        if external_rows:
+            waited_s = self._collect_streamed(requests, drafts, plan, in_hand,
+                                              sorted(external_rows))
+        forwards_s = 0.0
         confidences: list[list[list[float]]] = [[[] for _ in drafters] for _ in range(n)]
-        drafting_s = 0.0
         for j, drafter in enumerate(drafters):
             selected = plan.model_rows[j]
             if not selected or not drafter.health.alive:
                 continue
-            # The planner's drafts stop by confidence, up to the longest lookahead allowed.
-            caps = [plan.lookaheads[i] if self.planner is None
-                    else min(max_lookahead, room_for_drafts(views[i])) for i in selected]
             stop = None
-            if self.planner is not None:
-                planner, index = self.planner, j
+            if isinstance(self.controller, LengthController):
+                controller, index = self.controller, j
 
                 def stop(active: list[int], confs: list[list[float]], spent_s: float,
-                         planner=planner, index=index) -> list[int]:
-                    return planner.keep_drafting(plan, index, active, confs, spent_s)
+                         controller=controller, index=index) -> list[int]:
+                    return controller.keep_drafting(plan, index, active, confs, spent_s)
             result = drafter.draft_safely(
-                [views[i].req_id for i in selected], np.asarray([rows[i] for i in selected]),
-                [contexts[i] for i in selected], caps, step.runner, stop)
+                [requests[i].req_id for i in selected], np.asarray([rows[i] for i in selected]),
+                [requests[i].context for i in selected],
+                [plan.lookaheads[i] for i in selected], step.runner, stop)
             for p in result.passes:
-                drafting_s += p.seconds
+                forwards_s += p.seconds
                 self.stats.drafter_forwards += 1
                 self.stats.drafter_tokens += p.num_tokens
-                if self.planner is not None:
-                    self.planner.observe_pass(j, p.num_tokens, p.seconds)
+                self.controller.observe_pass(j, p.num_tokens, p.seconds)
+                self._passes.append((j, p.num_tokens, p.seconds))
             for local, i in enumerate(selected):
-                tokens[i][j] = result.tokens[local]
+                drafts[i][in_worker[j]] = result.tokens[local]
                 confidences[i][j] = result.confidences[local]
-        self.stats.drafting_s += drafting_s
-        in_model_rows = {i for selected in plan.model_rows for i in selected}
-        if self._trace is not None:
-            self._plan_record = {
-                "mode": plan.mode, "rate": round(plan.rate, 4), "lookaheads": plan.lookaheads,
-                "free": [len(c) for c in free_chains],
-                "model": [[len(t) for t in per] for per in tokens],
-                "drafting_s": round(drafting_s, 5)}
-        for i, view in enumerate(views):
-            per = [[] for _ in self.worker.drafters]
-            free_cap = max_lookahead if i in in_model_rows else plan.free_lens[i]
-            for d in model_free_indices:
-                per[d] = free[i][d][:free_cap]
-            for j, d in enumerate(in_worker):
-                per[d] = tokens[i][j]
-            k = max(map(len, per), default=0)
+        self.stats.drafting_s += forwards_s
+
+        voted_chains = []
+        for i, request in enumerate(requests):
+            per = drafts[i]
+            if i not in model_rows:
+                for d in in_worker:
+                    per[d] = []
+            if not (in_hand or i in external_rows):
+                for d in external_idx:
+                    per[d] = []
+            k = plan.lookaheads[i]
             self.stats.requests_drafted += k > 0
-            if k == 0:
-                continue
-            self._vote(view.req_id, rows[i], k, per, proposals)
-            state = self._state(view.req_id)
-            state.confidences = [[] for _ in self.worker.drafters]
+            self.stats.requests_without_draft += k > 0 and not any(per)
+            chain = self._vote(request.req_id, rows[i], k, per, proposals) if k > 0 else []
+            voted_chains.append(chain)
+            state = self._state(request.req_id)
+            state.free_chain = free_chains[i]
+            state.models = i in model_rows or any(per[d] for d in external_idx)
+            state.with_free = free_lens[i] > 0
+            state.confidences = [[] for _ in worker.names]
             for j, d in enumerate(in_worker):
                 state.confidences[d] = confidences[i][j]
-            state.free_chain = free_chains[i]
-            state.models = i in in_model_rows
-        return drafting_s
+        if external_rows and pipelined:
+            # Drafters go on past the chains while the target verifies them.
+            worker.track(requests, voted_chains, [self._max_lead(max_lookahead)] * n)
+        if self._trace is not None:
+            self._plan_record = {"mode": plan.mode, "rho": round(plan.rho, 4),
+                                 "lookaheads": plan.lookaheads,
+                                 "models": sorted(model_rows), "external": len(external_rows),
+                                 "free": free_lens}
+        return forwards_s, waited_s
+
+    def _collect_streamed(self, requests: list[DraftRequest], drafts: list[list[list[int]]],
+                          plan: Plan, in_hand: bool, rows: list[int]) -> float:
+        """The process drafters' drafts for ``rows``: pipelined, what is ready (after waiting one
+        drafter step at a time while the controller finds it worth it, within draft_wait_s);
+        synchronous, exactly the lookaheads, waited for. Returns the seconds waited."""
+        worker = self.worker
+        started = time.perf_counter()
+        wanted = [DraftRequest(requests[i].req_id, requests[i].context, plan.lookaheads[i])
+                  for i in rows]
+        if self.config.pipeline:
+            if not in_hand:
+                return 0.0  # just switched on: they start drafting while the target verifies
+            chosen = [j for j, r in enumerate(wanted) if r.k > 0]
+            while (late := worker.late([wanted[j] for j in chosen])):
+                left = self.config.draft_wait_s - (time.perf_counter() - started)
+                wait_s = self.controller.wait_s(
+                    plan, [(rows[chosen[j]], ready) for j, ready in late], max(0.0, left))
+                if wait_s <= 0:
+                    break
+                worker.wait([wanted[chosen[j]] for j, _ in late], wait_s)
+        else:
+            worker.track(wanted, [[] for _ in wanted], [r.k for r in wanted])
+            worker.wait(wanted, self.config.draft_timeout_s)
+        ready = worker.ready(wanted, True, [drafts[i] for i in rows])
+        for i, new in zip(rows, ready, strict=True):
+            for d in worker.model_indices:
+                drafts[i][d] = new[d]
+        waited = time.perf_counter() - started
+        self.stats.wait_s += waited
+        return waited
 
     def _vote(self, req_id: str, row: int, k: int, per_drafter: list[list[int]],
               proposals: list[list[int]]) -> list[int]:
         state = self._state(req_id)
         vote = weighted_prefix_vote(per_drafter, state.weights.weights, max_len=k)
-        state.drafts, state.voted, state.chosen = per_drafter, vote.tokens, k
+        state.drafts, state.voted = per_drafter, vote.tokens
         proposals[row] = vote.tokens
         self._count_proposal(vote.tokens, vote.winner)
         return vote.tokens
-
-    def _collect(self, requests: list[DraftRequest], views: list[RequestView], models: bool,
-                 free: list[list[list[int]]]) -> list[list[list[int]]]:
-        """Every drafter's draft of every request: what is ready, after waiting if worth it
-        (only the model-free voters' unless ``models``; theirs are ``free``, taken already)."""
-        self.worker.poll()
-        if not requests:
-            return []
-        started = time.perf_counter()
-        if models and self.config.pipeline:
-            # Drafters stream: wait one drafter step at a time while the policy finds the
-            # tokens it brings worth the step's time, within draft_wait_s in all.
-            budget = self.config.draft_wait_s
-            while (late := self.worker.late(requests)):
-                left = budget - (time.perf_counter() - started)
-                wait_s = self.policy.wait_bound([views[i] for i, _ in late],
-                                                [ready for _, ready in late], max(0.0, left))
-                if wait_s <= 0:
-                    break
-                self.worker.wait([requests[i] for i, _ in late], wait_s)
-        elif models:
-            # Synchronous: draft exactly what this step verifies, then wait for it.
-            self.worker.track(requests, [[] for _ in requests], [r.k for r in requests])
-            self.worker.wait(requests, self.config.draft_timeout_s)
-        self.stats.wait_s += time.perf_counter() - started
-        drafts = self.worker.ready(requests, models, free)
-        if models:
-            model_rows = self.worker.model_indices
-            for request, per in zip(requests, drafts):
-                if any(per[d] for d in model_rows):
-                    self._catching_up.discard(request.req_id)
-            self._models_ready = not any(r.req_id in self._catching_up for r in requests)
-        self.stats.requests_drafted += len(requests)
-        self.stats.requests_without_draft += sum(1 for per in drafts if not any(per))
-        return drafts
 
     @staticmethod
     def _max_lead(k: int) -> int:
@@ -499,10 +446,7 @@ class SmurfsProposer:
         req_ids = list(req_ids)
         for req_id in req_ids:
             self._states.pop(req_id, None)
-        self._catching_up.difference_update(req_ids)
-        self.policy.forget(req_ids)
-        if self.planner is not None:
-            self.planner.forget(req_ids)
+        self.controller.forget(req_ids)
         self.worker.forget(req_ids)
 
     def _state(self, req_id: str) -> _RequestState:
@@ -513,80 +457,79 @@ class SmurfsProposer:
         return state
 
     def _learn(self, step: StepContext,
-               sampled_token_ids: list[list[int]]) -> list[StepFeedback]:
-        """Score every drafter's last draft against what the target produced."""
-        feedback = []
-        in_worker = self.worker.in_worker_indices if self.planner is not None else []
-        free_outcomes: list[tuple[str, DrafterOutcome]] = []
-        voted_with_models: list[StepFeedback] = []
-        model_outcomes: list[list[DrafterOutcome]] = [[] for _ in in_worker]
-        for req_id, produced in zip(step.req_ids, sampled_token_ids):
+               sampled_token_ids: list[list[int]]) -> list[RequestOutcome]:
+        """Score every drafter's last draft against what the target produced; tell the
+        controller what each request's last step taught."""
+        outcomes = []
+        in_worker = self.worker.in_worker_indices
+        for req_id, produced in zip(step.req_ids, sampled_token_ids, strict=True):
             state = self._states.get(req_id)
-            if state is None or state.voted is None or state.drafts is None or not produced:
+            if state is None or state.free_chain is None or not produced:
                 continue
-            verified = (state.voted if step.verified_drafts is None
+            verified = (state.voted or [] if step.verified_drafts is None
                         else step.verified_drafts.get(req_id, []))
-            # The policy learns what a lookahead brings: chosen tokens no drafter had ready in
-            # time count as rejected (the scheduler's own cuts do not), except while the model
-            # drafters catch up after a switch.
-            shortfall = (max(0, state.chosen - len(state.voted))
-                         if req_id not in self._catching_up else 0)
             accepted = matched_prefix_len(verified, produced)
-            if verified or shortfall:
-                feedback.append(StepFeedback(req_id, len(verified) + shortfall, accepted))
             if verified:
                 self.stats.verified_drafts += 1
                 self.stats.verified_draft_tokens += len(verified)
                 self.stats.accepted_tokens += accepted
-            # Every drafter is judged on what the target produced, verified draft or not.
-            scores = [score_draft(draft, produced) for draft in state.drafts]
-            state.weights.update(scores)
-            self.global_weights.update(scores)
-            for drafter_stats, draft in zip(self.stats.drafters, state.drafts):
-                drafter_stats.drafted_tokens += len(draft)
-                drafter_stats.accepted_tokens += matched_prefix_len(draft, produced)
-            if self.planner is not None:
-                if state.free_chain:
-                    free_outcomes.append((req_id, DrafterOutcome(
-                        len(state.free_chain), matched_prefix_len(state.free_chain, produced),
-                        len(produced))))
-                if state.models and verified:
-                    voted_with_models.append(StepFeedback(req_id, len(verified), accepted))
-                for j, d in enumerate(in_worker):
+            free = None
+            if state.free_chain:
+                free = DrafterOutcome(len(state.free_chain),
+                                      matched_prefix_len(state.free_chain, produced),
+                                      len(produced))
+            own = []
+            if state.drafts is not None:
+                # Every drafter is judged on what the target produced, verified draft or not.
+                scores = [score_draft(draft, produced) for draft in state.drafts]
+                state.weights.update(scores)
+                self.global_weights.update(scores)
+                for drafter_stats, draft in zip(self.stats.drafters, state.drafts, strict=True):
+                    drafter_stats.drafted_tokens += len(draft)
+                    drafter_stats.accepted_tokens += matched_prefix_len(draft, produced)
+                for d in in_worker:
                     draft = state.drafts[d]
-                    if draft and state.confidences is not None:
-                        model_outcomes[j].append(DrafterOutcome(
-                            len(draft), matched_prefix_len(draft, produced), len(produced),
-                            tuple(state.confidences[d])))
+                    own.append(DrafterOutcome(
+                        len(draft), matched_prefix_len(draft, produced), len(produced),
+                        tuple(state.confidences[d]) if state.confidences else ())
+                        if draft else None)
+            outcomes.append(RequestOutcome(
+                req_id, free=free, voted=(len(verified), accepted) if verified else None,
+                models=state.models, with_free=state.with_free, drafters=tuple(own)))
             state.voted = state.drafts = state.confidences = state.free_chain = None
-        for drafter_stats, weight in zip(self.stats.drafters, self.global_weights.weights):
+            state.models = False
+        for drafter_stats, weight in zip(self.stats.drafters, self.global_weights.weights,
+                                         strict=True):
             drafter_stats.weight = weight
-        if self.planner is not None:
-            self.planner.observe(free_outcomes, voted_with_models, model_outcomes)
-        else:
-            self.policy.observe(feedback, models_ready=self._models_ready)
-        self._models_ready = True
-        return feedback
+        self.controller.observe(outcomes)
+        return outcomes
 
     def _write_trace(self, step: StepContext, sampled_token_ids: list[list[int]],
-                     num_tokens_no_spec: np.ndarray, feedback: list[StepFeedback],
+                     num_tokens_no_spec: np.ndarray, outcomes: list[RequestOutcome],
                      step_s: float, draft_timings: list[DraftTiming]) -> None:
-        """One line of the ``trace_file`` (format: `vllm_smurfs.trace_sim`)."""
+        """One line of the ``trace_file`` (format: `vllm_smurfs.trace`)."""
         assert self._trace is not None
-        verified = {f.req_id: f for f in feedback}
+        by_id = {o.req_id: o for o in outcomes}
         requests = []
-        for i, (req_id, produced) in enumerate(zip(step.req_ids, sampled_token_ids)):
+        for i, (req_id, produced) in enumerate(zip(step.req_ids, sampled_token_ids,
+                                                   strict=True)):
             if not produced:
                 continue
-            fb = verified.get(req_id)
-            requests.append(TraceRequest(req_id, int(num_tokens_no_spec[i]) - len(produced),
-                                         fb.num_draft_tokens if fb else 0,
-                                         fb.num_accepted if fb else 0))
+            o = by_id.get(req_id)
+            voted = o.voted if o is not None and o.voted is not None else (0, 0)
+            requests.append(TraceRequest(
+                req_id, int(num_tokens_no_spec[i]) - len(produced), voted[0], voted[1],
+                free=(o.free.tokens, o.free.matched) if o is not None and o.free else None,
+                models=bool(o is not None and o.models),
+                drafts=tuple((d.tokens, d.matched) if d is not None else None
+                             for d in o.drafters) if o is not None else ()))
         line = TraceStep(self.stats.steps, time.monotonic(), step_s, step.num_scheduled_tokens,
                          tuple(requests), tuple(draft_timings),
-                         drafting=self.model_drafting.on).to_dict()
+                         drafting=self.model_drafting.on,
+                         prompt_tokens=min(self._prompt_tokens, step.num_scheduled_tokens),
+                         passes=tuple(self._passes)).to_dict()
         if self._plan_record is not None:
-            line["plan"] = self._plan_record  # in-worker drafting: what the last step planned
+            line["plan"] = self._plan_record  # what the last step planned
         self._trace.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def _count_proposal(self, voted: list[int], winner: int) -> None:
@@ -597,15 +540,14 @@ class SmurfsProposer:
     # -- metrics --------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:
         out = self.stats.as_dict()
-        for entry, health in zip(out["drafters"], self.worker.health()):
+        for entry, health in zip(out["drafters"], self.worker.health(), strict=True):
             entry["alive"] = health.alive
             entry["steps_late"] = health.steps_late
             entry["engine_steps"] = health.steps_answered
             entry["busy_s"] = round(health.busy_s, 4)
             if "replacements" in health.extra:  # a Ray drafter: actors started after its first
                 entry["replacements"] = health.extra["replacements"]
-        if self.planner is not None:
-            out["controller"] = self.planner.snapshot()
+        out["controller"] = self.controller.snapshot()
         return out
 
     def _maybe_log(self) -> None:

@@ -1,7 +1,6 @@
-"""Step-cost models, learnt online from measured times: the target step's seconds by the tokens
-it computes (:class:`StepCostModel`), a drafter call's seconds by its batch and draft length
-(:class:`DraftCostModel`), and the correction of a plan's predicted step time by what its steps
-took (:class:`StepTimeCalibration`).
+"""Step-cost models, learnt online from measured times: a forward's seconds by the tokens it
+computes (:class:`StepCostModel`: the target's step, an in-worker drafter's forward), and a
+streaming drafter's engine step by its batch (:class:`DraftCostModel`).
 
 Pure module (stdlib only).
 """
@@ -12,7 +11,6 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_smurfs.lookahead_types import _check_seconds
@@ -27,20 +25,21 @@ from vllm_smurfs.lookahead_types import _check_seconds
 _EXACT_BUCKETS = 32
 _BUCKETS_PER_OCTAVE = 8
 # Each bucket keeps its last 16 observations and uses their median: robust to up to 7 outliers (a
-# GC pause, a CUDA-graph capture, a step that also ran a long prefill), and it follows a lasting
-# change of the curve (longer contexts, a co-located job) within ~8 visits.
+# GC pause, a step that also ran a long prefill), and it follows a lasting change of the curve
+# (longer contexts, a co-located job) within ~8 visits.
 _DEFAULT_COST_WINDOW = 16
-# A knot is priced one standard error of its median (1.2533 * sigma / sqrt(n), sigma the steps'
-# relative noise pooled over all buckets) below the median: a lower confidence bound. A bucket
-# measured once during a slow step would otherwise make its whole neighbourhood look expensive
-# for good, since the controller would never go back there; with the bound, thinly measured
-# token counts look a little cheaper and get revisited until they are measured as well as the
-# rest (with 20% step-time noise this recovers 7% of throughput at 16 requests in the
-# simulator). Noiseless measurements are not changed.
-_MEDIAN_STANDARD_ERROR = 1.2533
-# The pooled noise is recomputed every this many observations (it sorts every bucket's
-# deviations: the only part of a step's update that grows with the number of buckets).
-_NOISE_REFRESH = 16
+# The first call at a token count is not a sample of its cost: on CPU it builds the oneDNN
+# primitives of that shape, on GPU it compiles or captures a graph (seen here: one 30 s first
+# forward among 0.14 s ones). Below this many tokens (decode steps, a drafter's forwards: token
+# counts that recur every few steps, and that the start-up warm-up runs twice) a bucket's first
+# observation is dropped. Larger counts (prefill chunks) may come once: their first call is all
+# that will be seen of them, and its price is real (vLLM-CPU keeps 32 shapes per layer, so a
+# prompt of a new length pays it again), so it is kept.
+_FIRST_CALL_TOKENS = 64
+# A bucket forgets observations older than this many observations of the whole curve (about a
+# minute of steps): a curve forgets what the machine no longer does (a job that ended, a cache
+# that warmed up), and a token count not revisited for that long is priced from its neighbours.
+_DEFAULT_MAX_AGE = 4096
 
 
 def _bucket(num_tokens: int) -> int:
@@ -67,6 +66,15 @@ def isotonic_regression(values: list[float], weights: list[float]) -> list[float
     return out
 
 
+def lower_envelope(values: Sequence[float]) -> list[float]:
+    """The largest non-decreasing sequence at or below ``values``: each value lowered to the
+    smallest value at or after it."""
+    out = list(values)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
 def _median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     m = len(s) // 2
@@ -74,77 +82,81 @@ def _median(xs: Sequence[float]) -> float:
 
 
 class StepCostModel:
-    """Target step seconds as a non-decreasing function of its token count, learnt online.
+    """Seconds of a forward as a non-decreasing function of its token count, learnt online (the
+    target's step, a drafter's forward).
 
-    Knots are the (mean token count, median seconds) of each populated bucket, lowered by one
-    standard error of the median (see the constant), made non-decreasing by weighted isotonic regression (more tokens never cost less; this also keeps
-    every slope non-negative).
+    Knots are the (mean token count, median seconds) of each populated bucket, made
+    non-decreasing (more tokens never cost less) by lowering: a knot above a later one is set to
+    the later one (:func:`lower_envelope`). Timing noise is one-sided (a pause, a co-located
+    job, a first call only ever add time), so a slow knot is the suspect, not the fast ones after
+    it: pooling them upwards, as a least-squares isotonic fit does, let one 30 s first forward
+    price every larger token count at seconds and shut drafting out for good. A bucket's first
+    observation is dropped where shapes recur (``first_call_tokens``), and observations older
+    than ``max_age`` observations are forgotten.
 
     Between two knots the curve is *optimistic*: the lowest value a convex non-decreasing curve
     through the knots allows, i.e. the largest of the left knot's value and the neighbouring
     segments extended into the gap (never above the straight chord). Real curves are about
-    convex (flat, then linear), and the chord over a wide gap, e.g. between the exploration steps
-    at k=0 and k=max and a third one, would price everything in between as if the knee were at
-    the start: the controller would never try a middle token count and never learn it was cheap.
-    With the optimistic value it tries the gap, and each try closes it. With exactly two knots
-    nothing is known about curvature and the chord is used (exact for a linear cost, where an
-    optimistic guess would cost a second step at the largest token count). Outside the knots the end segments
-    are extended (below: floored at the proportional ``T(x0) * N / x0``, which a cost ``a + b*N``
-    with ``a >= 0`` never undercuts); a single knot makes a flat curve, which is again the
-    optimistic choice that leads the controller to measure other token counts.
+    convex (flat, then linear), and the chord over a wide gap would price everything in between
+    as if the knee were at the start: the controller would never try a middle token count and
+    never learn it was cheap. With exactly two knots the chord is used. Outside the knots the
+    end segments are extended (below: floored at the proportional ``T(x0) * N / x0``); a single
+    knot makes a flat curve.
     """
 
-    def __init__(self, window: int | None = _DEFAULT_COST_WINDOW) -> None:
+    def __init__(self, window: int | None = _DEFAULT_COST_WINDOW,
+                 first_call_tokens: int = _FIRST_CALL_TOKENS,
+                 max_age: int | None = _DEFAULT_MAX_AGE) -> None:
         """``window``: observations kept per bucket (None: all). Raises ValueError if < 1."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 or None, got {window}")
+        if max_age is not None and max_age < 1:
+            raise ValueError(f"max_age must be >= 1 or None, got {max_age}")
         self.window = window
-        self._buckets: dict[int, deque[tuple[int, float]]] = {}
-        self._order: list[int] = []  # bucket keys, sorted
-        # Per bucket: (mean token count, median seconds, count, relative deviations from the
-        # median); only the bucket a step lands in is recomputed (a step costs O(window), not
-        # O(every bucket)).
-        self._stats: dict[int, tuple[float, float, float, list[float]]] = {}
-        self._noise_due = 0  # observations since the pooled noise was last computed
+        self.first_call_tokens = first_call_tokens
+        self.max_age = max_age
+        # Per bucket: (observation index, tokens, seconds), oldest first.
+        self._buckets: dict[int, deque[tuple[int, int, float]]] = {}
+        self._first_seen: set[int] = set()  # buckets whose first call was seen (and dropped)
         self._knots: list[tuple[float, float]] | None = None
         self._xs: list[float] = []
         self._ys: list[float] = []
-        self._noise = 0.0
         self.num_observations = 0
+        self.first_calls_dropped = 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """Add one step; steps of 0 tokens carry no cost information and are ignored."""
+        """Add one forward; forwards of 0 tokens carry no cost information and are ignored."""
         _check_seconds("seconds", seconds)
         if num_tokens < 1:
             return
         b = _bucket(num_tokens)
+        if num_tokens <= self.first_call_tokens and b not in self._first_seen:
+            self._first_seen.add(b)
+            self.first_calls_dropped += 1
+            return
+        self._first_seen.add(b)
         q = self._buckets.get(b)
         if q is None:
             q = self._buckets[b] = deque(maxlen=self.window)
-            bisect.insort(self._order, b)
-        q.append((num_tokens, seconds))
-        med = _median([s for _, s in q])
-        devs = [abs(s / med - 1.0) for _, s in q] if len(q) >= 2 and med > 0 else []
-        self._stats[b] = (sum(n for n, _ in q) / len(q), med, float(len(q)), devs)
+        q.append((self.num_observations, num_tokens, seconds))
         self.num_observations += 1
-        self._noise_due += 1
         self._knots = None
 
     def knots(self) -> list[tuple[float, float]]:
-        """The fitted curve's knots ``(num_tokens, seconds)``, increasing in both coordinates."""
+        """The fitted curve's knots ``(num_tokens, seconds)``, non-decreasing in both."""
         if self._knots is None:
-            stats = [self._stats[b] for b in self._order]
-            if self._noise_due >= _NOISE_REFRESH or self._noise_due >= self.num_observations:
-                # Robust (MAD) relative noise of a step's time, pooled over the buckets: it moves
-                # slowly, so it is pooled again every _NOISE_REFRESH steps, not every step.
-                devs = [d for *_, ds in stats for d in ds]
-                self._noise = 1.4826 * _median(devs) if devs else 0.0
-                self._noise_due = 0
-            xs = [x for x, _, _, _ in stats]
-            ws = [w for _, _, w, _ in stats]
-            ys = [y * max(0.0, 1.0 - _MEDIAN_STANDARD_ERROR * self._noise / math.sqrt(w))
-                  for _, y, w, _ in stats]
-            self._knots = list(zip(xs, isotonic_regression(ys, ws), strict=True))
+            oldest = (self.num_observations - self.max_age if self.max_age is not None
+                      else -1)
+            stats = []
+            for b in sorted(self._buckets):
+                q = self._buckets[b]
+                while len(q) > 1 and q[0][0] < oldest:
+                    q.popleft()
+                if q[0][0] < oldest and len(self._buckets) > 1:
+                    continue  # stale: priced from its neighbours
+                stats.append((sum(n for _, n, _ in q) / len(q), _median([s for *_, s in q])))
+            ys = lower_envelope([y for _, y in stats])
+            self._knots = [(x, y) for (x, _), y in zip(stats, ys, strict=True)]
             self._xs = [x for x, _ in self._knots]
             self._ys = [y for _, y in self._knots]
         return list(self._knots)
@@ -152,13 +164,6 @@ class StepCostModel:
     @property
     def is_empty(self) -> bool:
         return not self._buckets
-
-    @property
-    def noise(self) -> float:
-        """Relative noise of step times (robust standard deviation), pooled over buckets (as of
-        at most _NOISE_REFRESH observations ago)."""
-        self.knots()
-        return self._noise
 
     def __call__(self, num_tokens: float) -> float:
         """Predicted seconds of a step of ``num_tokens`` tokens (0.0 before any observation)."""
@@ -194,8 +199,8 @@ class StepCostModel:
         knots = self.knots()
         return {
             "observations": self.num_observations,
-            "noise": round(self._noise, 4),
-            "knots": [[round(x, 2), round(y, 9)] for x, y in knots],
+            "first_calls_dropped": self.first_calls_dropped,
+            "knots": [[round(x, 2), round(y, 6)] for x, y in knots],
         }
 
 
@@ -329,73 +334,3 @@ class DraftCostModel:
         c0, c1, c2 = self.coefficients
         return {"observations": self.num_observations, "c0": c0, "per_position": c1,
                 "per_position_per_request": c2}
-
-
-# ------------------------------------------------------------------------------ time calibration
-
-# A plan's predicted-to-taken time ratio averages about its last 16 sampled steps and is shrunk
-# towards 1 as if 4 more steps had taken just the predicted time: a few steps move it (a retry
-# of the model drafters lasts 8 once they have caught up), one step cannot.
-_CALIBRATION_MEMORY = 16.0
-_CALIBRATION_PRIOR_STEPS = 4.0
-
-
-@dataclass
-class _PendingSample:
-    """The last choice, while it can still become a calibration sample."""
-
-    models: bool  # the plan with the model drafters
-    predicted_s: float
-    taken_s: float | None = None  # set by observe_step
-
-
-class StepTimeCalibration:
-    """How long a plan's steps took against the time predicted for them.
-
-    The predicted step time rests on cost curves of the target's step and of the drafters; what
-    a step really costs also holds time no curve sees: the proposer waiting for model drafts
-    (outside the target's step), its own drafting and voting, a curve learnt in other
-    conditions. Each sample is one step, predicted against taken seconds; :meth:`factor` is
-    ``sum(predicted) / sum(taken)`` over exponentially decaying sums (``memory`` steps), shrunk
-    towards a prior (1 unless given) by ``prior_steps`` steps: the factor on the plan's
-    predicted rate. Only time is calibrated: the expected tokens come from the acceptance
-    models, which count drafts that were not ready in time as rejected and adapt within a few
-    steps.
-    """
-
-    def __init__(self, memory: float = _CALIBRATION_MEMORY,
-                 prior_steps: float = _CALIBRATION_PRIOR_STEPS) -> None:
-        if not memory >= 1:
-            raise ValueError(f"memory must be >= 1 step, got {memory!r}")
-        if not prior_steps > 0:
-            raise ValueError(f"prior_steps must be > 0, got {prior_steps!r}")
-        self._decay = 1.0 - 1.0 / memory
-        self.prior_steps = prior_steps
-        self._predicted = 0.0
-        self._taken = 0.0
-        self._steps = 0.0
-
-    def observe(self, predicted_s: float, taken_s: float) -> None:
-        """One step; ignored unless both times are positive (nothing to compare)."""
-        if not (predicted_s > 0 and taken_s > 0 and math.isfinite(predicted_s)
-                and math.isfinite(taken_s)):
-            return
-        d = self._decay
-        self._predicted = d * self._predicted + predicted_s
-        self._taken = d * self._taken + taken_s
-        self._steps = d * self._steps + 1.0
-
-    @property
-    def steps(self) -> float:
-        """The decayed number of steps sampled."""
-        return self._steps
-
-    def factor(self, prior: float = 1.0) -> float:
-        """Predicted over taken time, shrunk towards ``prior``; ``prior`` before any sample."""
-        if self._steps == 0:
-            return prior
-        weight = self._steps / (self._steps + self.prior_steps)
-        return prior + weight * (self._predicted / self._taken - prior)
-
-    def snapshot(self, prior: float = 1.0) -> dict[str, Any]:
-        return {"factor": round(self.factor(prior), 4), "steps": round(self._steps, 2)}

@@ -16,11 +16,15 @@ Trace format: JSON lines, one object per target step, written by the proposer (`
 * ``drafts``: the :class:`~vllm_smurfs.length_controller.DraftTiming` of the drafter engine
   steps (streaming drafters: one position each) or calls made since the previous step. Replays
   record at most 64 per step (:data:`vllm_smurfs.trace_sim.MAX_DRAFT_RECORDS`).
-* ``drafting`` (optional): whether the model drafters drafted during the step (with
-  ``lookahead.pause_drafters`` the controller leaves them out of most steps where they do not
-  pay; such a step may be faster, the target then having the cores it lends them). Replays
-  take such steps' drafts as the model-free voters' and their times as a cost curve of their
-  own, and let the policy choose the mode again (`trace_sim.replay`).
+* ``drafting`` (optional): whether the streaming drafters drafted during the step (such a
+  step may be slower: the target may lend them cores).
+* ``prompt_tokens`` (optional): of ``num_tokens``, the prompt-chunk tokens.
+* ``passes`` (optional): the in-worker drafters' forwards for the step's drafts, each
+  ``[drafter, tokens, seconds]``.
+* per request (optional): ``free`` ``[tokens, matched]`` of the model-free voters' chain (its
+  match counted as far as the target's tokens tell), ``models`` (model drafts were in its
+  vote), ``drafts`` (per in-worker drafter ``[tokens, matched]`` of its own draft, or null).
+* ``plan`` (optional, ignored by the reader): what the controller planned for the next step.
 
 Steps without requests are allowed (e.g. pure prefill steps); they only add cost samples.
 
@@ -55,16 +59,34 @@ def _field(obj: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
     return value
 
 
+def _pair(value: Any, where: str) -> tuple[int, int]:
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise TraceFormatError(f"{where}: expected [tokens, matched], got {value!r}")
+    return value[0], value[1]
+
+
+def _pass(value: Any, where: str) -> tuple[int, int, float]:
+    if (not isinstance(value, list) or len(value) != 3
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        raise TraceFormatError(f"{where}: expected [drafter, tokens, seconds], got {value!r}")
+    return int(value[0]), int(value[1]), float(value[2])
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     """One request in one step of a trace."""
 
     req_id: str
     position: int  # where the step's first new token goes (only differences matter)
-    # Lookahead of this step as the controller learns it: the draft tokens verified, plus those
-    # chosen but not ready in time (counted as rejected; not in a drafter's first 2 steps).
-    k: int
+    k: int  # draft tokens verified
     accepted: int  # of those, accepted by the target
+    # The model-free voters' chain of the step: (tokens, tokens matching the target's; only as
+    # far as the target's tokens tell); None: it had none.
+    free: tuple[int, int] | None = None
+    models: bool = False  # model drafts (in-worker or streamed) were in its vote
+    # Per in-worker drafter, its own draft: (tokens, matched) or None where it did not draft.
+    drafts: tuple[tuple[int, int] | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -73,15 +95,27 @@ class TraceRequest:
             raise ValueError(f"accepted must be in [0, k={self.k}], got {self.accepted}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"req_id": self.req_id, "position": self.position, "k": self.k,
-                "accepted": self.accepted}
+        out: dict[str, Any] = {"req_id": self.req_id, "position": self.position, "k": self.k,
+                               "accepted": self.accepted}
+        if self.free is not None:
+            out["free"] = list(self.free)
+        if self.models:
+            out["models"] = True
+        if any(d is not None for d in self.drafts):
+            out["drafts"] = [list(d) if d is not None else None for d in self.drafts]
+        return out
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any], where: str = "request") -> TraceRequest:
         fields = (_field(obj, "req_id", str, where), _field(obj, "position", int, where),
                   _field(obj, "k", int, where), _field(obj, "accepted", int, where))
+        free = obj.get("free")
+        drafts = obj.get("drafts", [])
         try:
-            return cls(*fields)
+            return cls(*fields, free=None if free is None else _pair(free, f"{where}: free"),
+                       models=bool(obj.get("models", False)),
+                       drafts=tuple(None if d is None else _pair(d, f"{where}: drafts")
+                                    for d in drafts))
         except ValueError as e:
             raise TraceFormatError(f"{where}: {e}") from None
 
@@ -96,11 +130,15 @@ class TraceStep:
     num_tokens: int
     requests: tuple[TraceRequest, ...] = ()
     drafts: tuple[DraftTiming, ...] = ()
-    drafting: bool | None = None  # model drafters drafted in the step; None: not recorded
+    drafting: bool | None = None  # streaming drafters drafted in the step; None: not recorded
+    prompt_tokens: int = 0  # of num_tokens, prompt-chunk tokens
+    # In-worker drafter forwards made for the step's drafts: (drafter, tokens, seconds).
+    passes: tuple[tuple[int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        # StepTiming validates seconds and num_tokens.
-        StepTiming(len(self.requests), self.num_tokens, self.seconds)
+        # StepTiming validates seconds, num_tokens and prompt_tokens.
+        StepTiming(len(self.requests), self.num_tokens, self.seconds,
+                   prompt_tokens=self.prompt_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -112,6 +150,10 @@ class TraceStep:
         }
         if self.drafting is not None:
             out["drafting"] = self.drafting
+        if self.prompt_tokens:
+            out["prompt_tokens"] = self.prompt_tokens
+        if self.passes:
+            out["passes"] = [[d, n, round(s, 6)] for d, n, s in self.passes]
         return out
 
     def to_json(self) -> str:
@@ -140,6 +182,10 @@ class TraceStep:
                     for i, d in enumerate(drafts)),
                 drafting=(None if obj.get("drafting") is None
                           else _field(obj, "drafting", bool, where)),
+                prompt_tokens=(_field(obj, "prompt_tokens", int, where)
+                               if "prompt_tokens" in obj else 0),
+                passes=tuple(_pass(p, f"{where}: passes[{i}]")
+                             for i, p in enumerate(obj.get("passes", []))),
             )
         except TraceFormatError:
             raise

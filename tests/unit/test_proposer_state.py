@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 
 from vllm_smurfs import proposer as proposer_module
+from vllm_smurfs.plan import Plan
 from vllm_smurfs.proposer import SmurfsProposer, StepContext
 
 K = 4
 
 
 class ScriptedWorker:
-    """Drafter d proposes ``script[d](context)``; records what it was asked."""
+    """Model drafter d proposes ``script[d](context, k)``; records what it was asked. Model-free
+    voters (ngram entries of the config) draft ``free[i]`` tokens for request i."""
 
     def __init__(self, config, **_):
         self.names = [f"d{i}" for i in range(len(config.drafters))]
@@ -28,9 +30,11 @@ class ScriptedWorker:
         self.models_alive = True
         self.free: list[int] | None = None  # model-free draft lengths (default: none ready)
         self.models_used: list[bool] = []
-        self.model_indices = list(range(len(self.names)))
+        self.model_free_indices = [i for i, d in enumerate(config.drafters)
+                                   if getattr(d, "method", "") == "ngram"]
+        self.model_indices = [i for i in range(len(self.names))
+                              if i not in self.model_free_indices]
         self.in_worker_indices: list[int] = []
-        self.model_free_indices: list[int] = []
         self.lends_cores = False
 
     def start(self):
@@ -47,12 +51,25 @@ class ScriptedWorker:
 
     def ready(self, requests, models=True, free=None):
         self.asked.append([(r.req_id, len(r.context), r.k) for r in requests])
-        return [[self.script[d](r.context, r.k) if models else [] for d in range(len(self.names))]
-                for r in requests]
+        out = []
+        for i, r in enumerate(requests):
+            per = [[] for _ in self.names]
+            for d in self.model_indices:
+                per[d] = self.script[d](r.context, r.k) if models else []
+            for d in self.model_free_indices:
+                per[d] = free[i][d][: r.k] if free is not None else []
+            out.append(per)
+        return out
 
     def model_free_drafts(self, requests):
         lens = self.free if self.free is not None else [0] * len(requests)
-        return [[[1] * f] + [[] for _ in self.names[1:]] for f in lens]
+        out = []
+        for f, _ in zip(lens, requests):
+            per = [[] for _ in self.names]
+            for d in self.model_free_indices:
+                per[d] = [1] * f
+            out.append(per)
+        return out
 
     def use_models(self, on):
         self.models_used.append(on)
@@ -67,7 +84,8 @@ class ScriptedWorker:
         self.forgotten.extend(req_ids)
 
     def health(self):
-        return [SimpleNamespace(alive=True, steps_late=0) for _ in self.names]
+        return [SimpleNamespace(alive=True, steps_late=0, steps_answered=0, busy_s=0.0,
+                                extra={}) for _ in self.names]
 
 
 def make_proposer(monkeypatch, **extra):
@@ -152,16 +170,21 @@ def test_trace_file_records_verified_drafts_for_the_simulator(monkeypatch, tmp_p
         ("a", 10, 4, 2), ("b", 20, 4, 0)]
 
 
-class _ScriptedPolicy:
-    """A policy answering a fixed lookahead and mode, recording what it is told."""
+class _ScriptedController:
+    """A controller answering fixed lookaheads and streaming, recording what it is told."""
 
-    def __init__(self, k, models_on):
-        self.k, self.models_on = k, models_on
-        self.feedback, self.timings, self.free_lens, self.ready = [], [], [], []
+    def __init__(self, k, streaming):
+        self.k, self.streaming = k, streaming
+        self.outcomes, self.timings, self.requests = [], [], []
 
-    def observe(self, feedback, models_ready=True):
-        self.feedback.extend(feedback)
-        self.ready.append(models_ready)
+    def plan(self, requests, max_lookahead):
+        self.requests.append(list(requests))
+        ks = [min(self.k, r.cap) if self.streaming else min(self.k, r.free_len)
+              for r in requests]
+        return Plan(lookaheads=ks, model_rows=[], streaming=self.streaming, mode="scripted")
+
+    def observe(self, outcomes):
+        self.outcomes.extend(outcomes)
 
     def observe_step(self, timing):
         self.timings.append(timing)
@@ -169,49 +192,77 @@ class _ScriptedPolicy:
     def observe_draft(self, timing):
         pass
 
-    def choose(self, requests, max_lookahead, free_lens=None):
-        self.free_lens.append(list(free_lens))
-        return [min(self.k, f) if not self.models_on else self.k for f in free_lens]
+    def observe_pass(self, drafter, num_tokens, seconds):
+        pass
 
-    def wait_bound(self, requests, ready, max_wait_s):
+    def wait_s(self, plan, late, max_wait_s):
         return 0.0
 
     def forget(self, req_ids):
         pass
 
+    def snapshot(self):
+        return {}
 
-def test_a_step_without_model_drafters_pauses_them_and_drafts_model_free_only(proposer):
-    proposer.policy = _ScriptedPolicy(2, models_on=False)
+
+def with_voter(monkeypatch):
+    return make_proposer(monkeypatch, drafters=[
+        {"model": "/a", "placement": "process"}, {"model": "/b", "placement": "process"},
+        {"method": "ngram"}])
+
+
+def test_a_step_without_streaming_pauses_the_drafters_and_drafts_model_free_only(monkeypatch):
+    proposer = with_voter(monkeypatch)
+    proposer.controller = _ScriptedController(2, streaming=False)
     proposer.worker.free = [3, 0]
     out = step(proposer, ["a", "b"], [[5], [6]], [10, 12])
-    assert proposer.policy.free_lens == [[3, 0]]  # the policy saw what the voters have ready
+    # The controller saw what the voters have ready.
+    assert [r.free_len for r in proposer.controller.requests[0]] == [3, 0]
     assert proposer.worker.models_used == []  # nothing to pause: the target keeps its cores
     assert proposer.worker.ahead == []  # nothing tracked: no model drafter works this step
-    assert out == [[], []]  # the scripted drafters are model drafters: left out
+    assert out == [[1, 1], []]  # the n-gram chain, cut to the plan's lookahead
     assert proposer.stats.steps_without_models == 1
     # The next step's timing is filed under "no model drafting".
     step(proposer, ["a", "b"], [[5], [6]], [11, 13])
-    assert proposer.policy.timings[-1].drafting is False
-    proposer.policy.models_on = True
+    assert proposer.controller.timings[-1].drafting is False
+    proposer.controller.streaming = True
     step(proposer, ["a", "b"], [[5], [6]], [12, 14])
     assert proposer.worker.models_used == [True]  # the drafters get work and the shared cores
-    assert proposer.policy.timings[-1].drafting is False
-    proposer.policy.models_on = False
+    assert proposer.controller.timings[-1].drafting is False
+    proposer.controller.streaming = False
     step(proposer, ["a", "b"], [[5], [6]], [13, 15])
     assert proposer.worker.models_used == [True, False]
-    assert proposer.policy.timings[-1].drafting is True
+    assert proposer.controller.timings[-1].drafting is True
 
 
-def test_a_step_timing_carries_the_proposer_time_spent_on_its_drafts(proposer):
-    proposer.policy = _ScriptedPolicy(2, models_on=True)
+def test_the_controller_learns_the_model_free_chain_and_the_voted_chain(monkeypatch):
+    proposer = with_voter(monkeypatch)
+    proposer.controller = _ScriptedController(3, streaming=True)
+    proposer.worker.free = [3]
+    step(proposer, ["a"], [[5]], [10])
+    # The vote took drafter 0's [7, 7, 7]; the target produced 7, 1: one accepted. The
+    # model-free chain [1, 1, 1] matched nothing.
+    step(proposer, ["a"], [[7, 1]], [12])
+    (outcome,) = proposer.controller.outcomes
+    assert outcome.voted == (3, 1) and outcome.models and outcome.with_free
+    assert outcome.free is not None and (outcome.free.tokens, outcome.free.matched) == (3, 0)
+
+
+def test_a_step_timing_carries_its_prompt_tokens_and_the_proposer_time(proposer):
+    proposer.controller = _ScriptedController(2, streaming=True)
     step(proposer, ["a"], [[5]], [10])
     first = proposer.stats.proposer_s
-    step(proposer, ["a"], [[5]], [11])
+    proposer.before_forward(6)  # the scheduler put 6 prompt tokens into the step
+    proposer.begin_step(StepContext(["a"], frozenset(), frozenset(), K,
+                                    num_scheduled_tokens=9))
+    proposer.propose([[5]], np.array([11] + [0] * 7), np.zeros((8, 64), dtype=np.int32))
     second = proposer.stats.proposer_s - first
     step(proposer, ["a"], [[5]], [12])
     # Each step's timing carries the call that drafted for it: the one just before it.
-    assert [t.overhead_s for t in proposer.policy.timings] == pytest.approx([first, second])
-    assert first > 0 and second > 0
+    timings = proposer.controller.timings
+    assert [t.overhead_s for t in timings] == pytest.approx([first, second], abs=1e-3)
+    assert (timings[0].num_tokens, timings[0].prompt_tokens) == (9, 6)
+    assert timings[1].prompt_tokens == 0  # a step with no prompt chunk
 
 
 @pytest.mark.parametrize("lends_cores", [True, False])
@@ -219,7 +270,7 @@ def test_a_step_with_prompt_chunks_gets_the_lent_cores_back(proposer, lends_core
     # A GEMM created while cores are lent keeps fewer threads: a step that brings new token
     # counts (prompt chunks) runs with the drafters paused and the cores back.
     proposer.worker.lends_cores = lends_cores
-    proposer.policy = _ScriptedPolicy(2, models_on=True)
+    proposer.controller = _ScriptedController(2, streaming=True)
     step(proposer, ["a"], [[5]], [10])  # the model drafters draft for step 2
     assert proposer.worker.models_used == [True]
     proposer.before_forward(0)  # decodes only: nothing changes
@@ -229,7 +280,7 @@ def test_a_step_with_prompt_chunks_gets_the_lent_cores_back(proposer, lends_core
     assert proposer.stats.prefill_takebacks == int(lends_cores)
     step(proposer, ["a"], [[5]], [11])
     # The step ran without the model drafters; the next one gets them (and the cores) again.
-    assert [t.drafting for t in proposer.policy.timings] == [not lends_cores]
+    assert [t.drafting for t in proposer.controller.timings] == [not lends_cores]
     assert proposer.worker.models_used == ([True, False, True] if lends_cores else [True])
 
 
@@ -239,28 +290,23 @@ def test_the_first_drafting_step_lends_the_shared_cores(proposer):
     assert proposer.worker.models_used == [True]
 
 
-def test_lookahead_no_drafter_delivered_counts_as_rejected_for_the_policy(proposer):
-    proposer.policy = _ScriptedPolicy(4, models_on=True)
-    # The first model drafter's drafts per request, step after step; the second has none.
-    script = {"a": [[], [7, 8], [7, 8], [7, 8]], "b": [[], []]}
+def test_no_draft_past_max_tokens(monkeypatch):
+    p = make_proposer(monkeypatch)
+    runner = SimpleNamespace(requests={"a": SimpleNamespace(
+        sampling_params=SimpleNamespace(max_tokens=5), output_token_ids=[1, 2, 3])})
+    tokens = np.zeros((8, 64), dtype=np.int32)
+    p.begin_step(StepContext(["a"], frozenset(), frozenset(), K, runner=runner))
+    out = p.propose([[5]], np.array([10] + [0] * 7), tokens)
+    assert out == [[7]]  # 2 tokens left: one draft and the target's own
 
-    def ready(requests, models=True, free=None):
-        return [[script[r.req_id].pop(0)[:r.k], []] for r in requests]
 
-    proposer.worker.ready = ready
-    step(proposer, ["a"], [[5]], [10])  # the models come on: "a" has to be re-prefilled
-    step(proposer, ["a"], [[1]], [11])  # it was still catching up: nothing ready, nothing held
-    assert proposer.policy.feedback == [] and proposer.policy.ready == [True, False]
-    # "a" caught up: [7, 8] of the 4 chosen, 7 accepted; "b" arrives while the models draft.
-    step(proposer, ["a", "b"], [[7, 1], [3]], [13, 30])
-    step(proposer, ["a", "b"], [[7, 1], [4]], [15, 31])
-    # Undelivered lookahead of a caught-up request, and of a request that came later, counts
-    # as rejected: what a lookahead actually brings.
-    assert [(f.req_id, f.num_draft_tokens, f.num_accepted)
-            for f in proposer.policy.feedback] == [("a", 4, 1), ("a", 4, 1), ("b", 4, 0)]
-    assert proposer.policy.ready == [True, False, True, True]
-    stats = proposer.stats  # the reported acceptance stays about verified tokens
-    assert (stats.verified_draft_tokens, stats.accepted_tokens) == (4, 2)
+def test_synchronous_process_drafters_draft_the_plans_rows(monkeypatch):
+    p = make_proposer(monkeypatch, pipeline=False, lookahead={"policy": "adaptive"})
+    out = step(p, ["a", "b"], [[5], [6]], [10, 20])
+    # Before any timing the controller warms up: the drafters draft for the requests, exactly
+    # their lookaheads, and the proposer waits for them (no pipelining: nothing tracked ahead).
+    assert out[0] and out[1]
+    assert p.worker.ahead[-1] == [("a", []), ("b", [])]
 
 
 def test_prompt_heavy_steps_take_the_cores_back_through_the_one_record(monkeypatch):
@@ -271,7 +317,6 @@ def test_prompt_heavy_steps_take_the_cores_back_through_the_one_record(monkeypat
     p.before_forward(0)  # no prompt chunk: nothing to take back
     assert p.model_drafting.on
     p.before_forward(32)
-    # The pool is told, and the policy sees it through the same record.
+    # The pool is told through the one record.
     assert not p.model_drafting.on and p.worker.models_used == [True, False]
     assert p.stats.prefill_takebacks == 1
-    assert p.policy.snapshot()["model_drafting"]["take_backs"] == 1

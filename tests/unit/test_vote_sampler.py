@@ -356,9 +356,9 @@ _PKG = Path(__file__).resolve().parents[2] / "vllm_smurfs"
 
 
 PURE_MODULES = ["vote_sampler.py", "length_controller.py", "lookahead_types.py", "acceptance.py",
-                "step_costs.py", "step_planner.py", "model_free.py", "drafter_protocol.py",
-                "trace.py", "trace_sim.py", "trace_report.py", "trace_reconstruct.py", "lookahead_plan.py", "lookahead_mode.py",
-                "model_drafting.py"]
+                "step_costs.py", "plan.py", "streaming_mode.py", "model_free.py",
+                "drafter_protocol.py", "trace.py", "trace_sim.py", "trace_report.py",
+                "trace_reconstruct.py", "model_drafting.py"]
 
 
 @pytest.mark.parametrize("module", PURE_MODULES)
