@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompts-per-family", type=int, default=None,
                      help=f"0 for all (default: quick {QUICK[0]}, full {FULL[0]})")
     run.add_argument("--families", default=",".join(FAMILIES))
+    run.add_argument("--num-prompts", type=int, default=None,
+                     help="at most this many of the selected prompts, taken in turn from each "
+                          "family (e.g. a burst of 16 with --loads batched)")
     run.add_argument("--max-tokens", type=int, default=None,
                      help=f"output tokens per prompt (default: quick {QUICK[1]}, full {FULL[1]})")
     run.add_argument("--max-model-len", type=int, default=4096,
@@ -197,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts_per_family=(args.prompts_per_family if args.prompts_per_family is not None
                             else per_family) or None,
         families=[f.strip() for f in args.families.split(",") if f.strip()],
+        num_prompts=args.num_prompts,
         max_tokens=args.max_tokens or max_tokens, max_model_len=args.max_model_len,
         dtype=args.dtype, loads=loads, concurrency=args.concurrency,
         temperature=args.temperature, seed=args.seed, chat=not args.no_chat_template,

@@ -48,6 +48,7 @@ from benchmarks.spec_bench import (
     FAMILIES,
     Prompt,
     load_questions,
+    first_across_families,
     select_prompts,
     write_raw_prompts,
     write_subset,
@@ -72,6 +73,7 @@ class RunSettings:
     baseline: str | None = None
     quick: bool = False
     prompts_per_family: int | None = 10
+    num_prompts: int | None = None  # at most this many, taken in turn from each family
     families: list[str] = field(default_factory=lambda: list(FAMILIES))
     max_tokens: int = 256
     max_model_len: int = 4096
@@ -354,6 +356,8 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
 
     rows = load_questions(settings.dataset)
     prompts = select_prompts(rows, settings.prompts_per_family, settings.families, keep=fits)
+    if settings.num_prompts:
+        prompts = first_across_families(prompts, settings.num_prompts)
     for p in prompts:
         p.prompt_token_ids = encode(tokenizer, p.text, chat)
     subset_path = os.path.join(settings.out_dir, "prompts.jsonl")

@@ -80,6 +80,20 @@ def select_prompts(rows: Iterable[dict[str, Any]], per_family: int | None,
     return selected
 
 
+def first_across_families(prompts: list[Prompt], count: int) -> list[Prompt]:
+    """The first ``count`` of ``prompts`` taken in turn from each family (each family's in their
+    order), renumbered."""
+    by_family: dict[str, list[Prompt]] = defaultdict(list)
+    for p in prompts:
+        by_family[p.family].append(p)
+    taken = list(_round_robin(list(by_family.values())))[:count]
+    order = {id(p): i for i, p in enumerate(prompts)}
+    taken.sort(key=lambda p: order[id(p)])
+    for i, p in enumerate(taken):
+        p.index = i
+    return taken
+
+
 def _round_robin(groups: list[list[Any]]) -> Iterable[Any]:
     for i in range(max((len(g) for g in groups), default=0)):
         for group in groups:

@@ -88,13 +88,19 @@ __all__ = ["DRAFT_MARGIN", "EXPLORE_BUDGET", "FixedLookahead", "LengthController
 DRAFT_MARGIN = 0.03
 # Exploration (a plan taken only because the optimistic acceptance says it pays) may cost at most
 # this share of the target time run so far, by its predicted price under the mean estimates
-# (the first forwards' catch-up charged in full), plus a start-up allowance of
-# EXPLORE_ALLOWANCE_S seconds so that the first steps can explore.
+# (the first forwards' catch-up charged in full), plus a start-up allowance of about two target
+# steps, so that the first steps can explore. It drafts only for requests whose catch-up is at
+# most EXPLORE_CATCH_UP_TOKENS (a prompt's prefill in the drafter is no experiment).
 EXPLORE_BUDGET = 0.02
-EXPLORE_ALLOWANCE_S = 1.0
+EXPLORE_ALLOWANCE_S = 0.25
+EXPLORE_CATCH_UP_TOKENS = 64
+EXPLORE_DRAFT_TOKENS = 2
 # Standard errors of the upper confidence bound on the model plan's acceptance (see
-# `AcceptanceModel.global_acceptance`): 1 is a one-sided 84% bound.
-OPTIMISM = 1.0
+# `AcceptanceModel.global_acceptance`): 2 is a one-sided 98% bound. A few unlucky early drafts
+# (14 observations at 0.32 where the drafter's true first-position acceptance is 0.7, seen
+# replaying a recorded trace at 4 requests) must not settle the question; the budget bounds
+# what the optimism costs.
+OPTIMISM = 2.0
 # A request's catch-up beyond a normal step's (a full accepted lookahead and its bonus token) is
 # an investment in its later steps: charged spread over the steps it is expected to still run
 # (its remaining tokens over its expected tokens per step), at most this many.
@@ -105,10 +111,6 @@ _PROMPT_SMOOTHING = 0.5
 # The proposer's own time per step (model-free drafting, voting, planning) is an exponential
 # average with this weight on the last step.
 _OVERHEAD_SMOOTHING = 0.2
-# Before the target's step time is measured, model drafters draft for the requests cheapest to
-# catch up with, this many catch-up tokens in all (at least one request): under a cold burst, a
-# first step for every request would prefill every prompt in the drafter at once.
-_WARMUP_CATCH_UP_TOKENS = 512
 
 
 class FixedLookahead:
@@ -410,9 +412,16 @@ class LengthController:
                 mode = "models"
             else:
                 opt_curves = self._model_curves(requests, caps, OPTIMISM)
-                optimistic = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
+                cheap = [i for i in can_model if all(
+                    c is None or c <= EXPLORE_CATCH_UP_TOKENS
+                    for c in _catch_ups(requests[i], self.num_worker_drafters))]
+                optimistic = self._model_choice(requests, caps, lows, cheap, hand, hand_ks,
                                                 opt_curves, rho, verify_s, value, streaming)
                 if optimistic is not None and optimistic.value - hand_value > margin:
+                    # An experiment drafts the first positions only: they are what the
+                    # estimates need first, and later ones are learnt when the models pay.
+                    optimistic.ks = {i: min(k, EXPLORE_DRAFT_TOKENS)
+                                     for i, k in optimistic.ks.items()}
                     # Its price under the mean estimates, the catch-ups charged in full.
                     mean_value = _revalue(optimistic, hand, hand_ks, mean_curves)
                     price_s = max(0.0, hand_value - mean_value) / max(rho, 1e-9) + (
@@ -515,7 +524,8 @@ class LengthController:
                       for d in range(nd)]
         # Model rows draft up to their cap (the stop rule ends each draft); the others keep the
         # chain in hand.
-        ks = [caps[i] if i in rows else hand_ks[i] for i in range(n)]
+        ks = [(choice.ks[i] if mode == "explore" else caps[i]) if i in rows else hand_ks[i]
+              for i in range(n)]
         seconds = target(choice.tokens + prompt) + overhead + choice.extra_s
         # The step's own rate without its prompt chunk, if better than the plan in hand's: the
         # stop rule weighs each further token against it.
@@ -527,38 +537,20 @@ class LengthController:
                       "explore_spent_s": self.explore_spent_s}
         return Plan(lookaheads=ks, model_rows=model_rows,
                     streaming=self.switch.on if self.switch is not None else False,
-                    sync_rows=sorted(rows) if self.sync_drafters else [], rho=rho_plan, verify_s=verify_s, mode=mode,
-                    expected_tokens=choice.expected, step_seconds=seconds)
+                    sync_rows=sorted(rows) if self.sync_drafters else [], rho=rho_plan,
+                    verify_s=verify_s, mode=mode, expected_tokens=choice.expected,
+                    step_seconds=seconds, draft_lens=dict(choice.ks))
 
     def _warmup_plan(self, requests: Sequence[PlanRequest], caps: list[int],
                      can_model: list[int], streaming: bool) -> Plan:
-        """Before the target's step time is measured: chains in hand in full, and the model
-        drafters for the requests cheapest to catch up with (they measure their forwards and
-        start their acceptance)."""
-        nd = self.num_worker_drafters
-        chosen: list[int] = []
-        if self.has_models and (nd or self.sync_drafters):
-            budget = _WARMUP_CATCH_UP_TOKENS
-
-            def cost(i: int) -> int:
-                return sum(c for c in requests[i].catch_up[:nd] if c is not None)
-
-            for i in sorted(can_model, key=cost):
-                if chosen and cost(i) > budget and not self.force_models:
-                    break
-                chosen.append(i)
-                budget -= cost(i)
-        rows = set(chosen)
-        ks = [caps[i] if i in rows else min(caps[i], max(r.free_len, r.streamed_len if streaming
-                                                          else 0))
-              for i, r in enumerate(requests)]
-        model_rows = [sorted(i for i in chosen if _catch_ups(requests[i], nd)[d] is not None)
-                      for d in range(nd)]
-        self._last = {"mode": "warmup", "num_reqs": len(requests), "model_rows": len(rows)}
-        return Plan(lookaheads=ks, model_rows=model_rows,
-                    sync_rows=sorted(rows) if self.sync_drafters else [],
-                    streaming=self.switch.on if self.switch is not None else False,
-                    mode="warmup")
+        """Before the target's step has been timed once (the engine's first decode step): the
+        chains in hand in full, no model drafter (nothing can be priced yet, and under a cold
+        burst a first model step would prefill every prompt in the drafter at once)."""
+        ks = [min(cap, max(r.free_len, r.streamed_len if streaming else 0))
+              for r, cap in zip(requests, caps, strict=True)]
+        self._last = {"mode": "warmup", "num_reqs": len(requests)}
+        return Plan(lookaheads=ks, model_rows=[[] for _ in range(self.num_worker_drafters)],
+                    streaming=self.streaming, mode="warmup")
 
     def _decide_streaming(self, requests: Sequence[PlanRequest], caps: list[int], rho: float,
                           current_value: float, margin: float) -> None:

@@ -67,6 +67,9 @@ class Plan:
     # Per request, for the rows drafted from the model curve: q[j] = P(the first j + 1 draft
     # tokens accepted), j = 0..cap-1 (the wait for late streamed drafts reads it).
     gains: dict[int, list[float]] = field(default_factory=dict)
+    # Per model row: the draft length the plan was priced at (drafts stop by the drafter's
+    # confidence while drafting; the simulator, which has no confidences, drafts this many).
+    draft_lens: dict[int, int] = field(default_factory=dict)
 
     @property
     def models(self) -> bool:

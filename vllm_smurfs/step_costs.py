@@ -123,6 +123,7 @@ class StepCostModel:
         self._ys: list[float] = []
         self.num_observations = 0
         self.first_calls_dropped = 0
+        self._provisional: tuple[int, float] | None = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Add one forward; forwards of 0 tokens carry no cost information and are ignored."""
@@ -133,6 +134,11 @@ class StepCostModel:
         if num_tokens <= self.first_call_tokens and b not in self._first_seen:
             self._first_seen.add(b)
             self.first_calls_dropped += 1
+            if self._provisional is None and not self._buckets:
+                # A curve with nothing else: the first call stands in until anything is
+                # measured (a slow guess beats none: a cold start must price its first steps).
+                self._provisional = (num_tokens, seconds)
+                self._knots = None
             return
         self._first_seen.add(b)
         q = self._buckets.get(b)
@@ -144,6 +150,9 @@ class StepCostModel:
 
     def knots(self) -> list[tuple[float, float]]:
         """The fitted curve's knots ``(num_tokens, seconds)``, non-decreasing in both."""
+        if self._knots is None and not self._buckets and self._provisional is not None:
+            n, y = self._provisional
+            self._knots, self._xs, self._ys = [(float(n), y)], [float(n)], [y]
         if self._knots is None:
             oldest = (self.num_observations - self.max_age if self.max_age is not None
                       else -1)
@@ -163,7 +172,8 @@ class StepCostModel:
 
     @property
     def is_empty(self) -> bool:
-        return not self._buckets
+        """Nothing measured (not even a first call standing in)."""
+        return not self._buckets and self._provisional is None
 
     def __call__(self, num_tokens: float) -> float:
         """Predicted seconds of a step of ``num_tokens`` tokens (0.0 before any observation)."""

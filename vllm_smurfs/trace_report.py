@@ -2,9 +2,10 @@
 run's time went; the command line of the simulator.
 
 CLI: ``python -m vllm_smurfs.trace_report TRACE.jsonl [--concurrency 1,4,16,32]
-[--max-lookahead 8] [--sync]`` (or ``python -m vllm_smurfs.trace_sim``, the same) prints a
-markdown table of adaptive vs fixed k=1..max vs no speculation; ``--summary`` prints instead
-where the recorded run's time went (:func:`summarize`).
+[--max-lookahead 8]`` (or ``python -m vllm_smurfs.trace_sim``, the same) prints a markdown table
+of the adaptive controller vs fixed k=1..max with the model drafter vs the model-free voters alone
+vs no speculation; ``--summary`` prints instead where the recorded run's time went
+(:func:`summarize`).
 
 The simulator itself is `trace_sim`; this module only formats and drives it. Pure module (stdlib
 + numpy through `trace_sim`, no vllm/torch); the runtime never imports it.
@@ -21,11 +22,9 @@ from typing import Any
 from vllm_smurfs.trace import TraceRequest, TraceStep, read_trace
 from vllm_smurfs.trace_sim import (
     PolicyFactory,
-    StepCostCurve,
     default_policies,
-    fit_draft_cost,
-    fit_model_free_cost,
-    has_model_free_steps,
+    fit_pass_cost,
+    fit_target_cost,
     reconstruct,
     replay,
 )
@@ -37,30 +36,28 @@ def compare(
     trace: Sequence[TraceStep],
     policies: Mapping[str, PolicyFactory],
     concurrencies: Sequence[int],
-    pipelined: bool = True,
     max_lookahead: int = 8,
 ) -> list[dict[str, Any]]:
     """One row per (policy, concurrency): tokens/s, speedup vs ``k=0`` (when among the
-    policies), mean accepted length, mean lookahead, and the fraction of steps whose token count
-    lies outside the trace's recorded range (the cost there is extrapolated)."""
+    policies), output tokens per request-step, the share of request-steps with the model
+    drafter, and the fraction of steps whose token count lies past the trace's largest (the
+    cost there is extrapolated)."""
     requests = reconstruct(trace)
-    curve = StepCostCurve.from_trace(trace)
-    dcost = fit_draft_cost(trace)
-    free_cost = fit_model_free_cost(trace)
+    target = fit_target_cost(trace)
+    drafter = fit_pass_cost(trace)
+    largest = max((s.num_tokens for s in trace), default=0)
     rows = []
     for c in concurrencies:
-        results = {name: replay(requests, factory, c, pipelined, curve, dcost, max_lookahead,
-                                     step_cost_model_free=free_cost)
+        results = {name: replay(requests, factory, c, target, drafter, max_lookahead)
                    for name, factory in policies.items()}
         base = results["k=0"].tokens_per_second if "k=0" in results else None
         for name, r in results.items():
-            outside = sum(1 for s in r.steps if not curve.covers(s.num_tokens))
+            outside = sum(1 for s in r.steps if s.num_tokens > largest)
             rows.append({
                 "policy": name, "concurrency": c, "tokens_per_s": r.tokens_per_second,
                 "speedup": r.tokens_per_second / base if base else None,
-                "mean_accepted_length": r.mean_accepted_length,
-                "mean_lookahead": r.mean_lookahead, "seconds": r.total_seconds,
-                "tokens": r.total_tokens, "steps": r.num_steps,
+                "mean_accepted_length": r.mean_accepted_length, "model_share": r.model_share,
+                "seconds": r.total_seconds, "tokens": r.total_tokens, "steps": r.num_steps,
                 "extrapolated": outside / r.num_steps if r.num_steps else 0.0,
             })
     return rows
@@ -88,7 +85,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             cells.append(f"**{txt}**" if r["tokens_per_s"] == best[c] else txt)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("τ: tokens per request per step. †: over 5% of the steps outside the recorded "
+    lines.append("τ: tokens per request per step. †: over 5% of the steps past the recorded "
                  "token counts (cost extrapolated).")
     return "\n".join(lines)
 
@@ -175,8 +172,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32],
                         help="comma-separated load points (requests in flight)")
     parser.add_argument("--max-lookahead", type=int, default=8)
-    parser.add_argument("--sync", action="store_true",
-                        help="synchronous drafting (default: pipelined)")
     parser.add_argument("--summary", action="store_true",
                         help="print where the recorded run's time went instead of replaying")
     args = parser.parse_args(argv)
@@ -187,25 +182,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps = read_trace(path)
         if len(args.traces) > 1:  # request ids of different runs may collide
             steps = [TraceStep(s.step, s.t, s.seconds, s.num_tokens, tuple(
-                TraceRequest(f"{i}:{r.req_id}", r.position, r.k, r.accepted)
-                for r in s.requests), s.drafts, s.drafting) for s in steps]
+                TraceRequest(f"{i}:{r.req_id}", r.position, r.k, r.accepted, r.free, r.models,
+                             r.drafts) for r in s.requests), s.drafts, s.drafting,
+                s.prompt_tokens, s.passes) for s in steps]
         trace.extend(steps)
     if args.summary:
         print(f"{len(trace)} steps, {sum(s.seconds for s in trace):.1f} s of target time")
         print(format_summary(summarize(trace)))
         return 0
     requests = reconstruct(trace)
-    curve = StepCostCurve.from_trace(trace)
     print(f"{len(trace)} steps, {len(requests)} requests, "
-          f"{sum(r.length for r in requests)} tokens; cost curve over "
-          f"{curve.lo:.0f}..{curve.hi:.0f} tokens; conflicts {sum(r.conflicts for r in requests)}")
-    rows = compare(trace, default_policies(args.max_lookahead, not args.sync,
-                                     has_model_free_steps(trace)),
-                   args.concurrency, not args.sync, args.max_lookahead)
+          f"{sum(r.length for r in requests)} tokens; conflicts "
+          f"{sum(r.conflicts for r in requests)}")
+    has_passes = any(s.passes for s in trace)
+    rows = compare(trace, default_policies(args.max_lookahead, has_passes), args.concurrency,
+                   args.max_lookahead)
     print(format_table(rows))
     return 0
-
-
 
 if __name__ == "__main__":
     sys.exit(main())

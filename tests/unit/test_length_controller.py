@@ -183,13 +183,19 @@ def test_min_lookahead_keeps_the_models_in_every_step():
     assert plan.model_rows == [[0, 1]]
 
 
-def test_before_the_target_is_measured_the_models_draft_for_the_cheapest_requests():
+def test_the_first_step_drafts_only_what_is_in_hand_and_the_second_is_priced():
     c = LengthController(K, 1)
-    reqs = [req(f"r{i}", catch_up=300 + i) for i in range(8)]
+    for n in (1, 2, 3, 4, 8, 16, 32, 64):
+        for _ in range(2):
+            c.observe_pass(0, n, pass_s(n))  # the start-up warm-up
+    reqs = [req(f"r{i}", catch_up=300, free_len=i % 2 * 3) for i in range(8)]
     plan = c.plan(reqs, K)
-    assert plan.mode == "warmup" and plan.model_rows == [[0]]  # 512 catch-up tokens in all
-    small = c.plan([req(f"s{i}", catch_up=100) for i in range(8)], K)
-    assert len(small.model_rows[0]) == 5
+    assert plan.mode == "warmup" and not plan.models
+    assert plan.lookaheads == [0, 3] * 4
+    # The engine's first decode step is timed: a first call, dropped from the curve once
+    # anything else is measured, but standing in until then.
+    c.observe_step(StepTiming(8, 20, 0.25))
+    assert c.plan([req()], K).mode != "warmup"
 
 
 # -- clean measurements --------------------------------------------------------------------------
