@@ -86,15 +86,21 @@ __all__ = ["DRAFT_MARGIN", "EXPLORE_BUDGET", "FixedLookahead", "LengthController
 # drift), and under load, where speculation breaks even at best on a 2-core CPU, a plan that
 # only ties pays for them.
 DRAFT_MARGIN = 0.03
-# Exploration (a plan taken only because the optimistic acceptance says it pays) may cost at most
-# this share of the target time run so far, by its predicted price under the mean estimates
-# (the first forwards' catch-up charged in full), plus a start-up allowance of about two target
-# steps, so that the first steps can explore. It drafts only for requests whose catch-up is at
-# most EXPLORE_CATCH_UP_TOKENS (a prompt's prefill in the drafter is no experiment).
+# Exploration: an experiment with the model drafters (taken when only the optimistic estimate of
+# their acceptance says they pay, or when their estimates still rest on fewer than
+# EVIDENCE_OBSERVATIONS observations: then their mean is mostly the prior, and catching a drafter
+# up with many requests, a prefill of each prompt in the drafter, would be an investment made on
+# a guess) drafts EXPLORE_DRAFT_TOKENS tokens for the requests cheapest to catch up with,
+# EXPERIMENT_CATCH_UP_TOKENS of catch-up in all (at least one request). Its price (what it loses
+# by the mean estimates, its catch-ups charged in full) is kept within EXPLORE_BUDGET of the
+# target time run so far plus EXPLORE_ALLOWANCE_S; the first experiment is always made. (Under a
+# simulated cold burst of 32 requests, a first model step for all of them on the prior cost 8% of
+# the run, for drafts that then did not pay.)
 EXPLORE_BUDGET = 0.02
 EXPLORE_ALLOWANCE_S = 0.25
-EXPLORE_CATCH_UP_TOKENS = 64
 EXPLORE_DRAFT_TOKENS = 2
+EVIDENCE_OBSERVATIONS = 8.0
+EXPERIMENT_CATCH_UP_TOKENS = 256
 # Standard errors of the upper confidence bound on the model plan's acceptance (see
 # `AcceptanceModel.global_acceptance`): 2 is a one-sided 98% bound. A few unlucky early drafts
 # (14 observations at 0.32 where the drafter's true first-position acceptance is 0.7, seen
@@ -105,6 +111,13 @@ OPTIMISM = 2.0
 # an investment in its later steps: charged spread over the steps it is expected to still run
 # (its remaining tokens over its expected tokens per step), at most this many.
 CATCH_UP_SPREAD_STEPS = 32
+# A plan may verify at most twice the tokens of the step without drafts, and 8 more, beyond the
+# largest token count the target's curve has measured: where nothing is measured the curve is
+# extrapolated optimistically (flat), and at 32 requests a first plan of 6 drafts each would
+# price 224 tokens like 32 (a tenfold error, seen in the simulator). Each step measured widens
+# the region, so a plan grows to its size within a few steps.
+TRUST_FACTOR = 2.0
+TRUST_TOKENS = 8
 # Prompt-chunk tokens of the next step are predicted from the last steps' exact counts, weight
 # 0.5 on the last: chunked prefills come in runs of a few steps.
 _PROMPT_SMOOTHING = 0.5
@@ -347,6 +360,60 @@ class LengthController:
         self._count(requests, plan)
         return plan
 
+    def _explore(self, requests: Sequence[PlanRequest], caps: list[int], lows: list[int],
+                 can_model: list[int], hand: list[list[float]], hand_ks: list[int],
+                 mean_curves: list[list[float]], rho: float, verify_s: float, value: Any,
+                 limit: float, threshold: float) -> _ModelChoice | None:
+        """An experiment with the model drafters, or None.
+
+        When model drafting may pay in this step (its plan, valued with the optimistic
+        acceptance, beats ``threshold``) but the mean estimates do not say so (or rest on too
+        few observations to say anything), the models draft their first EXPLORE_DRAFT_TOKENS
+        tokens for the requests cheapest to catch up with (EXPERIMENT_CATCH_UP_TOKENS of
+        catch-up in all, at least one request), if its price (what it loses by the mean
+        estimates, the catch-ups in full) fits the exploration budget; the first experiment
+        always does."""
+        optimistic = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
+                                        self._model_curves(requests, caps, OPTIMISM), rho,
+                                        verify_s, value, limit)
+        if optimistic is None or optimistic.value <= threshold:
+            return None
+        nd = self.num_worker_drafters
+        rows: list[int] = []
+        budget = EXPERIMENT_CATCH_UP_TOKENS
+        for i in sorted(can_model, key=lambda i: _total_catch_up(requests[i])):
+            cost = _total_catch_up(requests[i])
+            if rows and cost > budget:
+                break
+            rows.append(i)
+            budget -= cost
+        ks = {i: max(min(caps[i], EXPLORE_DRAFT_TOKENS), min(lows[i], caps[i])) for i in rows}
+        exp_tokens = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
+        tokens = float(sum(1 + k for k in hand_ks))
+        catch_up, full = [0.0] * nd, [0.0] * nd
+        for i in rows:
+            exp_tokens += expected(mean_curves[i], ks[i]) - expected(hand[i], hand_ks[i])
+            tokens += ks[i] - hand_ks[i]
+            spread = _spread_steps(requests[i].remaining, expected(mean_curves[i], ks[i]))
+            for d, c in enumerate(_catch_ups(requests[i], nd)):
+                catch_up[d] += _charged(c, self.max_lookahead, spread)
+                full[d] += float(c or 0)
+        max_k = max(ks.values())
+        extra = self._models_s(catch_up, len(rows), max_k)
+        experiment = _ModelChoice(rows, ks, value(_Point(exp_tokens, tokens, extra)),
+                                  exp_tokens, tokens, extra,
+                                  self._models_s(full, len(rows), max_k))
+        hand_value = value(_Point(sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True)),
+                                  float(sum(1 + k for k in hand_ks))))
+        price_s = (max(0.0, hand_value - experiment.value) / max(rho, 1e-9)
+                   + experiment.full_catch_up_s - experiment.extra_s)
+        if self.counts["explore_steps"] and (self.explore_spent_s + price_s
+                                             > self._explore_allowance()):
+            return None
+        self.explore_spent_s += price_s
+        self.counts["explore_steps"] += 1
+        return experiment
+
     def _hand_curves(self, requests: Sequence[PlanRequest], caps: list[int], streaming: bool,
                      optimism: float = 0.0) -> list[list[float]]:
         """Per request, the cumulative acceptance of the chain in hand, as far as it goes: the
@@ -378,7 +445,10 @@ class LengthController:
             return self._target_s(tokens, streaming)
 
         hand = self._hand_curves(requests, caps, streaming)
-        path = _greedy_path(hand, [0] * n)
+        limit = max(self._target(streaming).max_tokens,
+                    TRUST_FACTOR * (n + prompt) + TRUST_TOKENS) - prompt
+        path = [p for p in _greedy_path(hand, [0] * n) if p.tokens <= limit] or \
+            _greedy_path(hand, [0] * n)[:1]
         # rho: the best rate of a step of this batch without its prompt chunk (at least the rate
         # without drafting), on the plan in hand.
         rho = max(p.expected / max(target(p.tokens) + overhead, 1e-9) for p in path)
@@ -399,43 +469,26 @@ class LengthController:
         hand_value = value(hand_point)
         verify_s = _marginal(target, hand_point.tokens + prompt, max(1, n))
 
-        choice, mode, explore = None, "in-hand" if best_i else "none", False
-        models_allowed = self.has_models and can_model and (
-            self.num_worker_drafters or self.sync_drafters)
-        if models_allowed:
+        choice, mode = None, "in-hand" if best_i else "none"
+        if self.has_models and can_model and (self.num_worker_drafters or self.sync_drafters):
             mean_curves = self._model_curves(requests, caps, 0.0)
-            choice = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
-                                        mean_curves, rho, verify_s, value, streaming)
             if self.force_models:
-                mode = "models"
-            elif choice is not None and choice.value - hand_value > margin:
+                choice = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
+                                            mean_curves, rho, verify_s, value, limit)
                 mode = "models"
             else:
-                opt_curves = self._model_curves(requests, caps, OPTIMISM)
-                cheap = [i for i in can_model if all(
-                    c is None or c <= EXPLORE_CATCH_UP_TOKENS
-                    for c in _catch_ups(requests[i], self.num_worker_drafters))]
-                optimistic = self._model_choice(requests, caps, lows, cheap, hand, hand_ks,
-                                                opt_curves, rho, verify_s, value, streaming)
-                if optimistic is not None and optimistic.value - hand_value > margin:
-                    # An experiment drafts the first positions only: they are what the
-                    # estimates need first, and later ones are learnt when the models pay.
-                    optimistic.ks = {i: min(k, EXPLORE_DRAFT_TOKENS)
-                                     for i, k in optimistic.ks.items()}
-                    # Its price under the mean estimates, the catch-ups charged in full.
-                    mean_value = _revalue(optimistic, hand, hand_ks, mean_curves)
-                    price_s = max(0.0, hand_value - mean_value) / max(rho, 1e-9) + (
-                        optimistic.full_catch_up_s - optimistic.extra_s)
-                    if self.explore_spent_s + price_s <= self._explore_allowance():
-                        self.explore_spent_s += price_s
-                        choice, mode, explore = optimistic, "explore", True
-                        self.counts["explore_steps"] += 1
-                    else:
-                        choice = None
+                known = {ctx: model.global_trials()[0] >= EVIDENCE_OBSERVATIONS
+                         for ctx, model in self.acceptance_models.items()}
+                evident = [i for i in can_model if known[requests[i].free_len > 0]]
+                mean = self._model_choice(requests, caps, lows, evident, hand, hand_ks,
+                                          mean_curves, rho, verify_s, value, limit)
+                if mean is not None and mean.value - hand_value > margin:
+                    choice, mode = mean, "models"
                 else:
-                    choice = None
-            if mode not in ("models", "explore"):
-                choice = None
+                    choice = self._explore(requests, caps, lows, can_model, hand, hand_ks,
+                                           mean_curves, rho, verify_s, value, limit,
+                                           hand_value + margin)
+                    mode = mode if choice is None else "explore"
         if self.switch is not None:
             self._decide_streaming(requests, caps, rho, hand_value, margin)
         if choice is None:
@@ -456,13 +509,14 @@ class LengthController:
     def _model_choice(self, requests: Sequence[PlanRequest], caps: list[int], lows: list[int],
                       can_model: list[int], hand: list[list[float]], hand_ks: list[int],
                       curves: list[list[float]], rho: float, verify_s: float, value: Any,
-                      streaming: bool) -> _ModelChoice | None:
+                      limit: float) -> _ModelChoice | None:
         """The best model plan: requests added by decreasing benefit, at every common draft
         length ``K``; the best (prefix, ``K``) taken.
 
         A request's model draft goes as far as a token's chance beats its verification (the
         stop rule decides while drafting; here at most ``K``); the forwards are priced as they
-        run: the first over every drafted request's catch-up, then ``K - 1`` extensions."""
+        run: the first over every drafted request's catch-up, then ``K - 1`` extensions. Plans of
+        more than ``limit`` target tokens are not taken (see TRUST_FACTOR)."""
         nd = self.num_worker_drafters
         base_expected = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
         base_tokens = float(sum(1 + k for k in hand_ks))
@@ -506,6 +560,8 @@ class LengthController:
                     catch_up[d] += charged[d]
                     full_catch_up[d] += full[d]
                 max_k = max(ks.values())
+                if tokens > limit and not self.force_models:
+                    break
                 extra = self._models_s(catch_up, len(rows), max_k)
                 v = value(_Point(exp_tokens, tokens, extra))
                 if best is None or v > best.value or (self.force_models
@@ -733,6 +789,10 @@ def _ks_of_path(curves: list[list[float]], length: int) -> list[int]:
     return ks
 
 
+def _total_catch_up(request: PlanRequest) -> int:
+    return sum(c for c in request.catch_up if c is not None)
+
+
 def _catch_ups(request: PlanRequest, num_drafters: int) -> list[int | None]:
     """The request's catch-up per in-worker drafter (None where it cannot draft)."""
     return [request.catch_up[d] if d < len(request.catch_up) else None
@@ -760,15 +820,6 @@ def _charged(tokens: int | None, max_lookahead: int, spread: float) -> float:
     if tokens <= normal:
         return float(tokens)
     return normal + (tokens - normal) / spread
-
-
-def _revalue(choice: _ModelChoice, hand: list[list[float]], hand_ks: list[int],
-             curves: list[list[float]]) -> float:
-    """A model choice's value with its expected tokens taken from ``curves`` instead."""
-    delta = sum(expected(curves[i], k) - expected(hand[i], hand_ks[i])
-                for i, k in choice.ks.items())
-    base = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
-    return choice.value - choice.expected + base + delta
 
 
 # Re-exported for the proposer and the tests (the parts' own modules define them).

@@ -171,6 +171,12 @@ class StepCostModel:
         return list(self._knots)
 
     @property
+    def max_tokens(self) -> float:
+        """The largest token count the curve has measured (0 when empty)."""
+        self.knots()
+        return self._xs[-1] if self._xs else 0.0
+
+    @property
     def is_empty(self) -> bool:
         """Nothing measured (not even a first call standing in)."""
         return not self._buckets and self._provisional is None
