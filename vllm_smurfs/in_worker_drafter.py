@@ -130,9 +130,13 @@ class InWorkerDrafter(DraftModelProposer):
         self._synced: dict[str, int] = {}
         # Fault injection for the fault tests (as for process drafters, see drafter_server):
         # SMURFS_DRAFTER_FAULT=NAME=raise_after:N makes drafter NAME fail its N+1-th step.
+        # SMURFS_DRAFTER_FAULT=NAME=stall_first:SECONDS makes drafter NAME's first forward after
+        # start-up take SECONDS longer (a first call that built kernels: a poisoned cost curve).
         target, _, fault = os.environ.get("SMURFS_DRAFTER_FAULT", "").partition("=")
         kind, _, count = fault.partition(":")
-        self._fail_after = int(count) if target == self.name and kind == "raise_after" else -1
+        mine = target == self.name
+        self._fail_after = int(count) if mine and kind == "raise_after" else -1
+        self._stall_s = float(count) if mine and kind == "stall_first" else 0.0
 
     # -- set-up (called through the Smurfs proposer) -------------------------------------------
     def _get_model(self) -> torch.nn.Module:
@@ -223,6 +227,9 @@ class InWorkerDrafter(DraftModelProposer):
                   for i in todo}
         for chunk in _pack(todo, starts, lengths, budget):
             t0 = time.perf_counter()
+            if self._stall_s:
+                time.sleep(self._stall_s)  # injected (SMURFS_DRAFTER_FAULT)
+                self._stall_s = 0.0
             rows_in = [i for i, _, _ in chunk]
             ids = np.concatenate([batch.contexts[i][s:e] for i, s, e in chunk])
             positions = np.concatenate([np.arange(s, e) for i, s, e in chunk])

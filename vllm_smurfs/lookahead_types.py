@@ -1,6 +1,6 @@
-"""The interface between the proposer and a lookahead policy with process drafters: what the policy
-sees of each request (:class:`RequestView`), what it is told after a step (:class:`StepFeedback`,
-:class:`StepTiming`, :class:`DraftTiming`), and the :class:`LookaheadPolicy` protocol.
+"""What the controller is told after a step: a verified draft's outcome (:class:`StepFeedback`),
+the target's step (:class:`StepTiming`), a streaming drafter's engine step or a synchronous
+drafter's call (:class:`DraftTiming`).
 
 Pure module (stdlib only).
 """
@@ -8,18 +8,7 @@ Pure module (stdlib only).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
-
-
-@dataclass(frozen=True)
-class RequestView:
-    """What a policy may know about a request when choosing its lookahead."""
-
-    req_id: str
-    num_tokens: int  # current context length (prompt + output)
-    max_model_len: int
 
 
 @dataclass(frozen=True)
@@ -92,81 +81,3 @@ class DraftTiming:
         if self.num_positions < 0:
             raise ValueError(f"num_positions must be >= 0, got {self.num_positions}")
         _check_seconds("seconds", self.seconds)
-
-
-@runtime_checkable
-class LookaheadPolicy(Protocol):
-    """Chooses how many tokens to draft per request, learning from verification feedback."""
-
-    def observe(self, feedback: Sequence[StepFeedback], models_ready: bool = True) -> None:
-        """Record the outcome of the last step (one entry per request that was drafted for).
-
-        ``models_ready``: whether the model drafters had caught up with the step's requests
-        (False while they re-prefill requests after a start or a pause: the step's feedback
-        then says little about what they deliver)."""
-        ...
-
-    def observe_step(self, timing: StepTiming) -> None:
-        """Record how long the target's last step took and how many tokens it computed."""
-        ...
-
-    def observe_draft(self, timing: DraftTiming) -> None:
-        """Record one drafter engine call."""
-        ...
-
-    def choose(self, requests: Sequence[RequestView], max_lookahead: int,
-               free_lens: Sequence[int] | None = None) -> list[int]:
-        """One lookahead per request, in order, each in ``0..max_lookahead``.
-
-        ``free_lens[i]``: tokens the model-free voters have ready for request ``i`` now (they
-        cost nothing to draft). After the call `models_on` says whether model drafters draft
-        this step; when it is False every lookahead is at most ``free_lens[i]``.
-        """
-        ...
-
-    @property
-    def models_on(self) -> bool:
-        """Whether the last choice drafts with the model drafters."""
-        ...
-
-    def wait_bound(
-        self, requests: Sequence[RequestView], ready: Sequence[int], max_wait_s: float
-    ) -> float:
-        """Pipelined mode: seconds in ``[0, max_wait_s]`` to wait for the drafters' next tokens
-        for ``requests`` (of the last choice), which have ``ready`` tokens ready now, fewer than
-        chosen. The proposer asks again after each wait."""
-        ...
-
-    def forget(self, req_ids: Iterable[str]) -> None:
-        """Drop any per-request state of finished or preempted requests."""
-        ...
-
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-able state for metrics and logs."""
-        ...
-
-
-def room_for_drafts(request: RequestView) -> int:
-    """How many draft tokens still fit before ``max_model_len``, never negative.
-
-    Verification appends the accepted drafts plus one bonus token, so ``k`` drafts need
-    ``num_tokens + k + 1 <= max_model_len``.
-    """
-    return max(0, request.max_model_len - request.num_tokens - 1)
-
-
-def _check_max_lookahead(max_lookahead: int) -> None:
-    if max_lookahead < 0:
-        raise ValueError(f"max_lookahead must be >= 0, got {max_lookahead}")
-
-
-def _check_wait_args(
-    requests: Sequence[RequestView], ready: Sequence[int], max_wait_s: float
-) -> None:
-    if len(requests) != len(ready):
-        raise ValueError(f"got {len(ready)} ready counts for {len(requests)} requests")
-    if any(m < 0 for m in ready):
-        # A negative count would index E(k) from the end: a silently wrong answer.
-        raise ValueError(f"ready counts must be >= 0, got {list(ready)}")
-    if not max_wait_s >= 0:  # rejects NaN too; +inf means "no limit"
-        raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")

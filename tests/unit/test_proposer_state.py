@@ -109,9 +109,10 @@ def proposer(monkeypatch):
     return make_proposer(monkeypatch)
 
 
-def step(p, req_ids, sampled, lengths, finished=(), restarted=(), max_spec=K):
+def step(p, req_ids, sampled, lengths, finished=(), restarted=(), max_spec=K, scheduled=0):
     tokens = np.zeros((8, 64), dtype=np.int32)
-    p.begin_step(StepContext(list(req_ids), frozenset(finished), frozenset(restarted), max_spec))
+    p.begin_step(StepContext(list(req_ids), frozenset(finished), frozenset(restarted), max_spec,
+                             num_scheduled_tokens=scheduled))
     return p.propose(sampled, np.array(lengths + [0] * (8 - len(lengths))), tokens)
 
 
@@ -302,11 +303,14 @@ def test_no_draft_past_max_tokens(monkeypatch):
 
 def test_synchronous_process_drafters_draft_the_plans_rows(monkeypatch):
     p = make_proposer(monkeypatch, pipeline=False, lookahead={"policy": "adaptive"})
-    out = step(p, ["a", "b"], [[5], [6]], [10, 20])
-    # Before any timing the controller warms up: the drafters draft for the requests, exactly
-    # their lookaheads, and the proposer waits for them (no pipelining: nothing tracked ahead).
-    assert out[0] and out[1]
+    # The first step, before any timing, drafts only what is in hand (nothing here).
+    assert step(p, ["a", "b"], [[5], [6]], [10, 20], scheduled=2) == [[], []]
+    # Then the controller's first experiment: the drafters draft for the requests exactly the
+    # lookaheads planned (two tokens), and the proposer waits for them (nothing tracked ahead).
+    out = step(p, ["a", "b"], [[5], [6]], [11, 21], scheduled=2)
+    assert out == [[7, 7], [7, 7]]
     assert p.worker.ahead[-1] == [("a", []), ("b", [])]
+    assert p.get_stats()["controller"]["last_plan"]["mode"] == "explore"
 
 
 def test_prompt_heavy_steps_take_the_cores_back_through_the_one_record(monkeypatch):
