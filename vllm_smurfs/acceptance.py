@@ -101,6 +101,7 @@ class AcceptanceModel:
         self._g_succ = [0.0] * max_positions
         self._g_trials = [0.0] * max_positions
         self._global_cache: list[float] | None = None
+        self._upper_cache: dict[float, list[float]] = {}  # valid while _global_cache is
         self._requests: dict[str, _RequestCounts] = {}
 
     # -- updates ----------------------------------------------------------------------------
@@ -116,6 +117,7 @@ class AcceptanceModel:
             self._g_succ[i] *= g
             self._g_trials[i] *= g
         self._global_cache = None
+        self._upper_cache = {}
         d = self._request_decay
         for req_id in req_ids:
             counts = self._requests.get(req_id)
@@ -152,6 +154,7 @@ class AcceptanceModel:
                 gn[a] += 1.0
                 rn[a] += 1.0
         self._global_cache = None
+        self._upper_cache = {}
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -170,6 +173,8 @@ class AcceptanceModel:
         """
         if optimism <= 0.0 and self._global_cache is not None:
             return list(self._global_cache)
+        if optimism > 0.0 and self._global_cache is not None and optimism in self._upper_cache:
+            return list(self._upper_cache[optimism])
         out = []
         prev = _PRIOR_ACCEPTANCE
         for s, n in zip(self._g_succ, self._g_trials, strict=True):
@@ -178,8 +183,11 @@ class AcceptanceModel:
         if optimism <= 0.0:
             self._global_cache = out
             return list(out)
-        return [min(1.0, p + optimism * math.sqrt(p * (1.0 - p) / (n + 1.0)))
-                for p, n in zip(out, self._g_trials, strict=True)]
+        self._global_cache = list(out)
+        upper = self._upper_cache[optimism] = [
+            min(1.0, p + optimism * math.sqrt(p * (1.0 - p) / (n + 1.0)))
+            for p, n in zip(out, self._g_trials, strict=True)]
+        return list(upper)
 
     def global_trials(self) -> list[float]:
         """Effective (decayed) number of observations per position, globally."""

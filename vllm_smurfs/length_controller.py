@@ -540,34 +540,44 @@ class LengthController:
         if not cands:
             return None
         cands.sort(key=lambda c: -c[0])
-        best: _ModelChoice | None = None
         longest = max(top for _, _, top, _, _ in cands)
+        checkpoints = _checkpoints(len(cands))
+        best_at: tuple[int, int] | None = None  # (K, prefix length) of the best so far
+        best_value = 0.0
         for K in range(1, longest + 1):
             exp_tokens, tokens = base_expected, base_tokens
             catch_up = [0.0] * nd
-            full_catch_up = [0.0] * nd
-            rows: list[int] = []
-            ks: dict[int, int] = {}
-            for net, i, top, charged, full in cands:
-                if net <= 0 and rows and not self.force_models:
+            max_k = 0
+            for m, (net, i, top, charged, _) in enumerate(cands, 1):
+                if net <= 0 and m > 1 and not self.force_models:
                     break
                 k = max(min(top, K), min(lows[i], caps[i]))
-                rows.append(i)
-                ks[i] = k
                 exp_tokens += expected(curves[i], k) - expected(hand[i], hand_ks[i])
                 tokens += k - hand_ks[i]
                 for d in range(nd):
                     catch_up[d] += charged[d]
-                    full_catch_up[d] += full[d]
-                max_k = max(ks.values())
+                max_k = max(max_k, k)
                 if tokens > limit and not self.force_models:
                     break
-                extra = self._models_s(catch_up, len(rows), max_k)
-                v = value(_Point(exp_tokens, tokens, extra))
-                if best is None or v > best.value or (self.force_models
-                                                      and len(rows) > len(best.rows)):
-                    best = _ModelChoice(list(rows), dict(ks), v, exp_tokens, tokens, extra,
-                                        self._models_s(full_catch_up, len(rows), max_k))
+                if m not in checkpoints and m < len(cands):
+                    continue
+                v = value(_Point(exp_tokens, tokens, self._models_s(catch_up, m, max_k)))
+                if best_at is None or v > best_value or (self.force_models and m > best_at[1]):
+                    best_at, best_value = (K, m), v
+        if best_at is None:
+            return None
+        K, m = best_at
+        rows = [i for _, i, _, _, _ in cands[:m]]
+        ks = {i: max(min(top, K), min(lows[i], caps[i])) for _, i, top, _, _ in cands[:m]}
+        exp_tokens = base_expected + sum(expected(curves[i], k) - expected(hand[i], hand_ks[i])
+                                         for i, k in ks.items())
+        tokens = base_tokens + sum(k - hand_ks[i] for i, k in ks.items())
+        charged = [sum(c[3][d] for c in cands[:m]) for d in range(nd)]
+        full = [sum(c[4][d] for c in cands[:m]) for d in range(nd)]
+        max_k = max(ks.values())
+        extra = self._models_s(charged, m, max_k)
+        best = _ModelChoice(rows, ks, best_value, exp_tokens, tokens, extra,
+                            self._models_s(full, m, max_k))
         return best
 
     def _model_plan(self, requests: Sequence[PlanRequest], caps: list[int], hand_ks: list[int],
@@ -787,6 +797,18 @@ def _ks_of_path(curves: list[list[float]], length: int) -> list[int]:
     for _, r, j in _gains(curves, [0] * len(curves))[:length]:
         ks[r] = j
     return ks
+
+
+def _checkpoints(n: int) -> set[int]:
+    """The prefix sizes a model plan is valued at: all up to 32, then about 12 per doubling (a
+    plan for 200 requests is as good as one for 198 within the noise of the estimates)."""
+    out = set(range(1, min(n, 32) + 1))
+    m = 32.0
+    while m < n:
+        m *= 1.06
+        out.add(min(n, int(m)))
+    out.add(n)
+    return out
 
 
 def _total_catch_up(request: PlanRequest) -> int:

@@ -121,6 +121,8 @@ class StepCostModel:
         self._knots: list[tuple[float, float]] | None = None
         self._xs: list[float] = []
         self._ys: list[float] = []
+        # Predictions of the present knots (a plan asks for the same token counts many times).
+        self._cache: dict[float, float] = {}
         self.num_observations = 0
         self.first_calls_dropped = 0
         self._provisional: tuple[int, float] | None = None
@@ -185,6 +187,13 @@ class StepCostModel:
         """Predicted seconds of a step of ``num_tokens`` tokens (0.0 before any observation)."""
         if self._knots is None:
             self.knots()
+            self._cache = {}
+        cached = self._cache.get(num_tokens)
+        if cached is None:
+            cached = self._cache[num_tokens] = self._predict(num_tokens)
+        return cached
+
+    def _predict(self, num_tokens: float) -> float:
         xs, ys = self._xs, self._ys
         if not xs:
             return 0.0
