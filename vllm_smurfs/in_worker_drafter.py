@@ -343,14 +343,14 @@ class InWorkerDrafter(DraftModelProposer):
         ``(tokens, seconds)``: the first call at a shape builds its kernels (oneDNN primitives on
         CPU, compilation on GPU) and says nothing of its cost; the second is the controller's
         first measurement. Shapes: one request catching up 1 to ``max_lookahead + 2`` tokens
-        (the first forward after a step it drafted in) and 16, 32, 64 (after a pause); 2 to 8
-        requests extended by one token each. The KV writes go to block 0, vLLM's null block,
+        (the first forward after a step it drafted in) and 16 to 512 (after a pause, a prompt);
+        2 to 8 requests extended by one token each. The KV writes go to block 0, vLLM's null block,
         which no request owns. Best effort: a failure ends the warm-up with a log line."""
         calls: list[tuple[int, float]] = []
         bs = self.block_size
-        table = torch.zeros((8, 64 // bs + 2), dtype=torch.int32, device=self.device)
-        shapes = ([(1, c) for c in range(1, max_lookahead + 3)] + [(1, 16), (1, 32), (1, 64)]
-                  + [(m, 1) for m in range(2, 9)])
+        table = torch.zeros((8, 512 // bs + 2), dtype=torch.int32, device=self.device)
+        shapes = ([(1, c) for c in range(1, max_lookahead + 3)]
+                  + [(1, c) for c in (16, 32, 64, 128, 256, 512)] + [(m, 1) for m in range(2, 9)])
         try:
             for num_reqs, each in shapes:
                 for _ in range(2):

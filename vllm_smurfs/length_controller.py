@@ -237,10 +237,10 @@ class LengthController:
         # alone (the request had none: where a model draft pays most).
         self.acceptance_models = {True: AcceptanceModel(max_lookahead),
                                   False: AcceptanceModel(max_lookahead)}
-        self.target_cost = StepCostModel()
+        self.target_cost = StepCostModel(stand_in=True)
         # With streaming drafters, steps while they draft have a curve of their own (the target
         # may lend them cores; never priced below the curve without).
-        self.target_cost_streaming = StepCostModel()
+        self.target_cost_streaming = StepCostModel(stand_in=True)
         self.pass_costs = [StepCostModel() for _ in range(num_worker_drafters)]
         self.calibrations = [ConfidenceCalibration() for _ in range(num_worker_drafters)]
         self.draft_cost = DraftCostModel()  # streaming engine steps, synchronous calls
@@ -477,7 +477,10 @@ class LengthController:
                                             mean_curves, rho, verify_s, value, limit)
                 mode = "models"
             else:
-                known = {ctx: model.global_trials()[0] >= EVIDENCE_OBSERVATIONS
+                # The mean decides only where it rests on observations, and the forwards on
+                # measured costs; the rest is an experiment.
+                priced = all(not cost.is_empty for cost in self.pass_costs)
+                known = {ctx: priced and model.global_trials()[0] >= EVIDENCE_OBSERVATIONS
                          for ctx, model in self.acceptance_models.items()}
                 evident = [i for i in can_model if known[requests[i].free_len > 0]]
                 mean = self._model_choice(requests, caps, lows, evident, hand, hand_ks,

@@ -30,12 +30,9 @@ _BUCKETS_PER_OCTAVE = 8
 _DEFAULT_COST_WINDOW = 16
 # The first call at a token count is not a sample of its cost: on CPU it builds the oneDNN
 # primitives of that shape, on GPU it compiles or captures a graph (seen here: one 30 s first
-# forward among 0.14 s ones). Below this many tokens (decode steps, a drafter's forwards: token
-# counts that recur every few steps, and that the start-up warm-up runs twice) a bucket's first
-# observation is dropped. Larger counts (prefill chunks) may come once: their first call is all
-# that will be seen of them, and its price is real (vLLM-CPU keeps 32 shapes per layer, so a
-# prompt of a new length pays it again), so it is kept.
-_FIRST_CALL_TOKENS = 64
+# forward among 0.14 s ones). A bucket's first observation is dropped (the start-up warm-up runs
+# the drafters' shapes twice; a prompt length seen once is priced from its neighbours), and a
+# bucket's value is the lower median of its observations, so that no single slow call sets it.
 # A bucket forgets observations older than this many observations of the whole curve (about a
 # minute of steps): a curve forgets what the machine no longer does (a job that ended, a cache
 # that warmed up), and a token count not revisited for that long is priced from its neighbours.
@@ -81,18 +78,25 @@ def _median(xs: Sequence[float]) -> float:
     return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
 
 
+def _lower_median(xs: Sequence[float]) -> float:
+    """The median, or of two middle values the lower: timing noise only adds time, so of two
+    observations the slower is the suspect."""
+    s = sorted(xs)
+    return s[(len(s) - 1) // 2]
+
+
 class StepCostModel:
     """Seconds of a forward as a non-decreasing function of its token count, learnt online (the
     target's step, a drafter's forward).
 
-    Knots are the (mean token count, median seconds) of each populated bucket, made
+    Knots are the (mean token count, lower median seconds) of each populated bucket, made
     non-decreasing (more tokens never cost less) by lowering: a knot above a later one is set to
     the later one (:func:`lower_envelope`). Timing noise is one-sided (a pause, a co-located
     job, a first call only ever add time), so a slow knot is the suspect, not the fast ones after
     it: pooling them upwards, as a least-squares isotonic fit does, let one 30 s first forward
     price every larger token count at seconds and shut drafting out for good. A bucket's first
-    observation is dropped where shapes recur (``first_call_tokens``), and observations older
-    than ``max_age`` observations are forgotten.
+    observation is dropped (with ``stand_in``, it stands in while the curve has nothing else), and
+    observations older than ``max_age`` observations are forgotten.
 
     Between two knots the curve is *optimistic*: the lowest value a convex non-decreasing curve
     through the knots allows, i.e. the largest of the left knot's value and the neighbouring
@@ -105,16 +109,19 @@ class StepCostModel:
     """
 
     def __init__(self, window: int | None = _DEFAULT_COST_WINDOW,
-                 first_call_tokens: int = _FIRST_CALL_TOKENS,
-                 max_age: int | None = _DEFAULT_MAX_AGE) -> None:
-        """``window``: observations kept per bucket (None: all). Raises ValueError if < 1."""
+                 max_age: int | None = _DEFAULT_MAX_AGE, stand_in: bool = False) -> None:
+        """``window``: observations kept per bucket (None: all). Raises ValueError if < 1.
+        ``stand_in``: a first call stands in while the curve has nothing else (the target's
+        step: a cold start must price its first steps); otherwise an empty curve predicts 0
+        (a drafter's forward, which the start-up warm-up measures: a poisoned first call must
+        not be all the controller knows of it)."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 or None, got {window}")
         if max_age is not None and max_age < 1:
             raise ValueError(f"max_age must be >= 1 or None, got {max_age}")
         self.window = window
-        self.first_call_tokens = first_call_tokens
         self.max_age = max_age
+        self.stand_in = stand_in
         # Per bucket: (observation index, tokens, seconds), oldest first.
         self._buckets: dict[int, deque[tuple[int, int, float]]] = {}
         self._first_seen: set[int] = set()  # buckets whose first call was seen (and dropped)
@@ -133,10 +140,10 @@ class StepCostModel:
         if num_tokens < 1:
             return
         b = _bucket(num_tokens)
-        if num_tokens <= self.first_call_tokens and b not in self._first_seen:
+        if b not in self._first_seen:
             self._first_seen.add(b)
             self.first_calls_dropped += 1
-            if self._provisional is None and not self._buckets:
+            if self.stand_in and self._provisional is None and not self._buckets:
                 # A curve with nothing else: the first call stands in until anything is
                 # measured (a slow guess beats none: a cold start must price its first steps).
                 self._provisional = (num_tokens, seconds)
@@ -165,7 +172,8 @@ class StepCostModel:
                     q.popleft()
                 if q[0][0] < oldest and len(self._buckets) > 1:
                     continue  # stale: priced from its neighbours
-                stats.append((sum(n for _, n, _ in q) / len(q), _median([s for *_, s in q])))
+                stats.append((sum(n for _, n, _ in q) / len(q),
+                              _lower_median([s for *_, s in q])))
             ys = lower_envelope([y for _, y in stats])
             self._knots = [(x, y) for (x, _), y in zip(stats, ys, strict=True)]
             self._xs = [x for x, _ in self._knots]

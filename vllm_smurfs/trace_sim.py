@@ -26,8 +26,9 @@ would be told live: the step's timing, each forward, each request's outcome.
 What the replay leaves out: streaming (process and Ray) drafters, the vote among several drafts
 of one request (a model row's chain is the model's), prefill steps (only as ``prompt_steps``).
 
-Fault injection for regression tests: ``poison_first_pass_s`` makes the first drafter forward
-the policy is told of take that long (a first call that built kernels); ``prompt_steps[i] = n``
+As live, the policy is first told of the drafter's start-up warm-up (each shape twice). Fault
+injection for regression tests: ``poison_first_pass_s`` makes the first drafter forward of the
+run proper take that long (a first call that built kernels); ``prompt_steps[i] = n``
 adds ``n`` prompt-chunk tokens to step ``i`` (its cost and its `StepTiming`).
 
 CLI: ``python -m vllm_smurfs.trace_sim TRACE.jsonl ...`` runs `trace_report`'s (tables of
@@ -128,7 +129,7 @@ class SimResult:
 def fit_target_cost(trace: Sequence[TraceStep]) -> StepCostModel:
     """The target's step seconds by token count, over every recorded step (first calls of a
     shape dropped as live)."""
-    curve = StepCostModel(window=None, max_age=None)
+    curve = StepCostModel(window=None, max_age=None, stand_in=True)
     for step in trace:
         curve.observe(step.num_tokens, step.seconds)
     return curve
@@ -168,6 +169,14 @@ def replay(requests: Sequence[ReplayRequest], factory: PolicyFactory, concurrenc
     if max_lookahead < 1:
         raise ValueError(f"max_lookahead must be >= 1, got {max_lookahead}")
     policy = factory()
+    if getattr(policy, "num_worker_drafters", 0) == 0:
+        drafter = None  # a policy without model drafters: nothing to draft with
+    if drafter is not None:
+        # The start-up warm-up of an in-worker drafter (`InWorkerDrafter.warm_up`): each shape
+        # twice, the first call dropped by the curve.
+        for n in [*range(1, max_lookahead + 3), 16, 32, 64, 128, 256, 512, *range(2, 9)]:
+            for _ in range(2):
+                policy.observe_pass(0, n, drafter(n))
     prompt_steps = dict(prompt_steps or {})
     queue = list(requests)
     active: list[_Active] = []

@@ -216,10 +216,13 @@ def test_a_poisoned_first_forward_does_not_set_the_curve():
     later.observe(8, 30.0)  # a stall on a later call: the median of its bucket holds
     later.observe(8, 0.14)
     assert later(8) < 0.2 and later(256) < 0.2
-    # A single slow prefill-sized call is kept (its first call is all there may be of it), and
-    # raises nothing below it.
+    # A prefill-sized call: its first is dropped too, its second priced, and it raises nothing
+    # below it; of two observations in a bucket the slower is the suspect.
+    later.observe(2048, 30.0)
     later.observe(2048, 14.0)
     assert later(2048) == pytest.approx(14.0) and later(64) < 0.2
+    later.observe(2048, 20.0)
+    assert later(2048) == pytest.approx(14.0)
 
 
 def test_the_curve_forgets_what_the_machine_no_longer_does():
