@@ -281,10 +281,9 @@ class LengthController:
         self.draft_cost.observe(timing.num_positions, timing.num_reqs, timing.seconds)
 
     def observe(self, outcomes: Sequence[RequestOutcome]) -> None:
-        """The last step's outcomes, one per request that had a chain or a model draft."""
+        """The last step's outcomes, one per request planned for."""
         free: list[StepFeedback] = []
         models: dict[bool, list[StepFeedback]] = {True: [], False: []}
-        delivered = wanted = 0
         for o in outcomes:
             if o.free is not None and o.free.tokens > 0:
                 free.append(StepFeedback(o.req_id, *o.free.seen))
@@ -293,14 +292,12 @@ class LengthController:
             for cal, draft in zip(self.calibrations, o.drafters, strict=False):
                 if draft is not None:
                     cal.observe_draft(draft.confidences, draft.matched, draft.observed)
-            if o.models:
-                wanted += 1
-                delivered += o.voted is not None and o.voted[0] > 0
         self.acceptance_free.observe(free)
         for with_free, feedback in models.items():
             self.acceptance_models[with_free].observe(feedback)
         if self.switch is not None and self.switch.on:
-            self.switch.observe_delivery(delivered, wanted)
+            # How many of the step's requests had model drafts in their vote.
+            self.switch.observe_delivery(sum(o.models for o in outcomes), len(outcomes))
 
     def forget(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
