@@ -28,11 +28,13 @@ _BUCKETS_PER_OCTAVE = 8
 # GC pause, a step that also ran a long prefill), and it follows a lasting change of the curve
 # (longer contexts, a co-located job) within ~8 visits.
 _DEFAULT_COST_WINDOW = 16
-# The first call at a token count is not a sample of its cost: on CPU it builds the oneDNN
+# The first call at a token count may be no sample of its cost: on CPU it builds the oneDNN
 # primitives of that shape, on GPU it compiles or captures a graph (seen here: one 30 s first
-# forward among 0.14 s ones). A bucket's first observation is dropped (the start-up warm-up runs
-# the drafters' shapes twice; a prompt length seen once is priced from its neighbours), and a
-# bucket's value is the lower median of its observations, so that no single slow call sets it.
+# forward among 0.14 s ones). A bucket observed once is worth at most SINGLE_CALL_CAP times what
+# the buckets observed more often predict for it, and a bucket's value is the lower median of its
+# observations: no single slow call sets the curve, and a token count first seen slow is
+# revisited (the start-up warm-up runs the drafters' shapes twice).
+SINGLE_CALL_CAP = 2.0
 # A bucket forgets observations older than this many observations of the whole curve (about a
 # minute of steps): a curve forgets what the machine no longer does (a job that ended, a cache
 # that warmed up), and a token count not revisited for that long is priced from its neighbours.
@@ -89,14 +91,14 @@ class StepCostModel:
     """Seconds of a forward as a non-decreasing function of its token count, learnt online (the
     target's step, a drafter's forward).
 
-    Knots are the (mean token count, lower median seconds) of each populated bucket, made
+    Knots are the (mean token count, lower median seconds) of each populated bucket; a bucket
+    observed once is capped at SINGLE_CALL_CAP times what the others predict; the knots are made
     non-decreasing (more tokens never cost less) by lowering: a knot above a later one is set to
     the later one (:func:`lower_envelope`). Timing noise is one-sided (a pause, a co-located
     job, a first call only ever add time), so a slow knot is the suspect, not the fast ones after
     it: pooling them upwards, as a least-squares isotonic fit does, let one 30 s first forward
-    price every larger token count at seconds and shut drafting out for good. A bucket's first
-    observation is dropped (with ``stand_in``, it stands in while the curve has nothing else), and
-    observations older than ``max_age`` observations are forgotten.
+    price every larger token count at seconds and shut drafting out for good. Observations older
+    than ``max_age`` observations are forgotten.
 
     Between two knots the curve is *optimistic*: the lowest value a convex non-decreasing curve
     through the knots allows, i.e. the largest of the left knot's value and the neighbouring
@@ -104,35 +106,29 @@ class StepCostModel:
     convex (flat, then linear), and the chord over a wide gap would price everything in between
     as if the knee were at the start: the controller would never try a middle token count and
     never learn it was cheap. With exactly two knots the chord is used. Outside the knots the
-    end segments are extended (below: floored at the proportional ``T(x0) * N / x0``); a single
-    knot makes a flat curve.
+    end segments are extended (below: floored at the proportional ``T(x0) * N / x0``; above: at
+    least at the curve's average slope); a single knot makes a flat curve.
     """
 
     def __init__(self, window: int | None = _DEFAULT_COST_WINDOW,
-                 max_age: int | None = _DEFAULT_MAX_AGE, stand_in: bool = False) -> None:
-        """``window``: observations kept per bucket (None: all). Raises ValueError if < 1.
-        ``stand_in``: a first call stands in while the curve has nothing else (the target's
-        step: a cold start must price its first steps); otherwise an empty curve predicts 0
-        (a drafter's forward, which the start-up warm-up measures: a poisoned first call must
-        not be all the controller knows of it)."""
+                 max_age: int | None = _DEFAULT_MAX_AGE) -> None:
+        """``window``: observations kept per bucket (None: all); ``max_age``: observations of the
+        whole curve after which one is forgotten (None: never). Raises ValueError if < 1."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 or None, got {window}")
         if max_age is not None and max_age < 1:
             raise ValueError(f"max_age must be >= 1 or None, got {max_age}")
         self.window = window
         self.max_age = max_age
-        self.stand_in = stand_in
         # Per bucket: (observation index, tokens, seconds), oldest first.
         self._buckets: dict[int, deque[tuple[int, int, float]]] = {}
-        self._first_seen: set[int] = set()  # buckets whose first call was seen (and dropped)
         self._knots: list[tuple[float, float]] | None = None
         self._xs: list[float] = []
         self._ys: list[float] = []
         # Predictions of the present knots (a plan asks for the same token counts many times).
         self._cache: dict[float, float] = {}
+        self._by_bucket: dict[int, float] = {}
         self.num_observations = 0
-        self.first_calls_dropped = 0
-        self._provisional: tuple[int, float] | None = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Add one forward; forwards of 0 tokens carry no cost information and are ignored."""
@@ -140,16 +136,6 @@ class StepCostModel:
         if num_tokens < 1:
             return
         b = _bucket(num_tokens)
-        if b not in self._first_seen:
-            self._first_seen.add(b)
-            self.first_calls_dropped += 1
-            if self.stand_in and self._provisional is None and not self._buckets:
-                # A curve with nothing else: the first call stands in until anything is
-                # measured (a slow guess beats none: a cold start must price its first steps).
-                self._provisional = (num_tokens, seconds)
-                self._knots = None
-            return
-        self._first_seen.add(b)
         q = self._buckets.get(b)
         if q is None:
             q = self._buckets[b] = deque(maxlen=self.window)
@@ -159,13 +145,10 @@ class StepCostModel:
 
     def knots(self) -> list[tuple[float, float]]:
         """The fitted curve's knots ``(num_tokens, seconds)``, non-decreasing in both."""
-        if self._knots is None and not self._buckets and self._provisional is not None:
-            n, y = self._provisional
-            self._knots, self._xs, self._ys = [(float(n), y)], [float(n)], [y]
         if self._knots is None:
             oldest = (self.num_observations - self.max_age if self.max_age is not None
                       else -1)
-            stats = []
+            stats = []  # (mean tokens, lower median seconds, observations)
             for b in sorted(self._buckets):
                 q = self._buckets[b]
                 while len(q) > 1 and q[0][0] < oldest:
@@ -173,11 +156,22 @@ class StepCostModel:
                 if q[0][0] < oldest and len(self._buckets) > 1:
                     continue  # stale: priced from its neighbours
                 stats.append((sum(n for _, n, _ in q) / len(q),
-                              _lower_median([s for *_, s in q])))
-            ys = lower_envelope([y for _, y in stats])
-            self._knots = [(x, y) for (x, _), y in zip(stats, ys, strict=True)]
+                              _lower_median([s for *_, s in q]), len(q)))
+            trusted = [(x, y) for x, y, c in stats if c > 1]
+            if trusted and len(trusted) < len(stats):
+                txs = [x for x, _ in trusted]
+                tys = lower_envelope([y for _, y in trusted])
+                stats = [(x, y if c > 1 else min(y, SINGLE_CALL_CAP * _predict(txs, tys, x)), c)
+                         for x, y, c in stats]
+            ys = lower_envelope([y for _, y, _ in stats])
+            self._knots = [(x, y) for (x, _, _), y in zip(stats, ys, strict=True)]
+            # A token count in a measured bucket costs what the bucket does (interpolating
+            # towards the bucket's mean token count from a gap below it would keep pricing the
+            # counts just below the mean at the gap's optimistic floor).
+            self._by_bucket = {_bucket(round(x)): y for x, y in self._knots}
             self._xs = [x for x, _ in self._knots]
             self._ys = [y for _, y in self._knots]
+            self._cache = {}
         return list(self._knots)
 
     @property
@@ -188,53 +182,58 @@ class StepCostModel:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing measured (not even a first call standing in)."""
-        return not self._buckets and self._provisional is None
+        return not self._buckets
 
     def __call__(self, num_tokens: float) -> float:
         """Predicted seconds of a step of ``num_tokens`` tokens (0.0 before any observation)."""
         if self._knots is None:
             self.knots()
-            self._cache = {}
         cached = self._cache.get(num_tokens)
         if cached is None:
-            cached = self._cache[num_tokens] = self._predict(num_tokens)
+            measured = self._by_bucket.get(_bucket(max(1, round(num_tokens))))
+            cached = self._cache[num_tokens] = (
+                measured if measured is not None else _predict(self._xs, self._ys, num_tokens))
         return cached
-
-    def _predict(self, num_tokens: float) -> float:
-        xs, ys = self._xs, self._ys
-        if not xs:
-            return 0.0
-        x0, y0 = xs[0], ys[0]
-        if len(xs) == 1:
-            return y0
-        if num_tokens <= x0:
-            slope = (ys[1] - y0) / (xs[1] - x0)
-            return max(y0 - slope * (x0 - num_tokens), y0 * max(num_tokens, 0.0) / x0)
-        xl, yl = xs[-1], ys[-1]
-        if num_tokens >= xl:
-            return yl + (yl - ys[-2]) / (xl - xs[-2]) * (num_tokens - xl)
-        i = bisect.bisect_right(xs, num_tokens)
-        xa, ya, xb, yb = xs[i - 1], ys[i - 1], xs[i], ys[i]
-        chord = ya + (yb - ya) * (num_tokens - xa) / (xb - xa)
-        if len(xs) == 2:
-            # No neighbouring segment tells anything about curvature yet: the chord (a linear
-            # cost) is the only estimate, and it is exact when the cost is linear.
-            return chord
-        low = ya
-        if i >= 2:  # the segment to the left, extended to the right
-            low = max(low, ya + (ya - ys[i - 2]) / (xa - xs[i - 2]) * (num_tokens - xa))
-        if i + 1 < len(xs):  # the segment to the right, extended to the left
-            low = max(low, yb - (ys[i + 1] - yb) / (xs[i + 1] - xb) * (xb - num_tokens))
-        return min(chord, low)
 
     def snapshot(self) -> dict[str, Any]:
         knots = self.knots()
         return {
             "observations": self.num_observations,
-            "first_calls_dropped": self.first_calls_dropped,
             "knots": [[round(x, 2), round(y, 6)] for x, y in knots],
         }
+
+
+def _predict(xs: Sequence[float], ys: Sequence[float], num_tokens: float) -> float:
+    """The curve through knots ``xs, ys`` at ``num_tokens`` (see `StepCostModel`)."""
+    if not xs:
+        return 0.0
+    x0, y0 = xs[0], ys[0]
+    if len(xs) == 1:
+        return y0
+    if num_tokens <= x0:
+        slope = (ys[1] - y0) / (xs[1] - x0)
+        return max(y0 - slope * (x0 - num_tokens), y0 * max(num_tokens, 0.0) / x0)
+    xl, yl = xs[-1], ys[-1]
+    if num_tokens >= xl:
+        # Beyond the last knot: its segment's slope, but at least the curve's average slope (a
+        # flat last segment, a decode batch's cost measured at a few neighbouring token counts,
+        # says nothing of twice as many: priced flat, every draft there looked free, seen
+        # replaying a served trace at 32 requests).
+        slope = max((yl - ys[-2]) / (xl - xs[-2]), (yl - y0) / (xl - x0))
+        return yl + slope * (num_tokens - xl)
+    i = bisect.bisect_right(xs, num_tokens)
+    xa, ya, xb, yb = xs[i - 1], ys[i - 1], xs[i], ys[i]
+    chord = ya + (yb - ya) * (num_tokens - xa) / (xb - xa)
+    if len(xs) == 2:
+        # No neighbouring segment tells anything about curvature yet: the chord (a linear
+        # cost) is the only estimate, and it is exact when the cost is linear.
+        return chord
+    low = ya
+    if i >= 2:  # the segment to the left, extended to the right
+        low = max(low, ya + (ya - ys[i - 2]) / (xa - xs[i - 2]) * (num_tokens - xa))
+    if i + 1 < len(xs):  # the segment to the right, extended to the left
+        low = max(low, yb - (ys[i + 1] - yb) / (xs[i + 1] - xb) * (xb - num_tokens))
+    return min(chord, low)
 
 
 # ---------------------------------------------------------------------------------- draft costs

@@ -127,9 +127,8 @@ class SimResult:
 
 
 def fit_target_cost(trace: Sequence[TraceStep]) -> StepCostModel:
-    """The target's step seconds by token count, over every recorded step (first calls of a
-    shape dropped as live)."""
-    curve = StepCostModel(window=None, max_age=None, stand_in=True)
+    """The target's step seconds by token count, over every recorded step."""
+    curve = StepCostModel(window=None, max_age=None)
     for step in trace:
         curve.observe(step.num_tokens, step.seconds)
     return curve
@@ -173,7 +172,7 @@ def replay(requests: Sequence[ReplayRequest], factory: PolicyFactory, concurrenc
         drafter = None  # a policy without model drafters: nothing to draft with
     if drafter is not None:
         # The start-up warm-up of an in-worker drafter (`InWorkerDrafter.warm_up`): each shape
-        # twice, the first call dropped by the curve.
+        # twice.
         for n in [*range(1, max_lookahead + 3), 16, 32, 64, 128, 256, 512, *range(2, 9)]:
             for _ in range(2):
                 policy.observe_pass(0, n, drafter(n))
