@@ -169,6 +169,7 @@ class SmurfsProposer:
         self.model_drafting.subscribe(self.worker.use_models)
         self._last_req_ids: frozenset[str] = frozenset()
         self._plan_record: dict[str, Any] | None = None  # the last plan, for the trace
+        self._warmed = False  # the in-worker drafters' forwards ran their shapes once
 
     # -- vLLM's proposer interface ------------------------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
@@ -206,15 +207,22 @@ class SmurfsProposer:
     def initialize_attn_backend(self, kv_cache_config: Any,
                                 kernel_block_sizes: list[int] | None = None) -> None:
         """The runner has sized the KV cache (the in-worker drafters' layers included): give
-        each in-worker drafter its attention groups (see patches.model_runner_kv_cache), then
-        warm its forwards up (their first calls build kernels; their second calls are the
-        controller's first cost measurements)."""
+        each in-worker drafter its attention groups (see patches.model_runner_kv_cache)."""
+        for drafter in self.in_worker_drafters:
+            if drafter.health.alive:
+                drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+
+    def _warm_up(self) -> float:
+        """Run each in-worker drafter's forward shapes twice (their first calls build kernels;
+        the second calls are the controller's first cost measurements); the seconds it took.
+        Done at the first `propose`, once the runner has bound the drafters' KV cache."""
+        started = time.perf_counter()
         for j, drafter in enumerate(self.in_worker_drafters):
-            if not drafter.health.alive:
-                continue
-            drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)
-            for num_tokens, seconds in drafter.warm_up(self.num_speculative_tokens):
-                self.controller.observe_pass(j, num_tokens, seconds)
+            if drafter.health.alive:
+                for num_tokens, seconds in drafter.warm_up(self.num_speculative_tokens):
+                    self.controller.observe_pass(j, num_tokens, seconds)
+        self._warmed = True
+        return time.perf_counter() - started
 
     @property
     def draft_attn_groups(self) -> list[Any]:
@@ -236,6 +244,8 @@ class SmurfsProposer:
         step, self._step = self._step, None
         if not self.owns_drafters:
             return [[] for _ in sampled_token_ids]  # the engine takes the drafting rank's drafts
+        if not self._warmed:
+            called += self._warm_up()  # one-off: not the proposer's time per step
         if step is None or len(step.req_ids) != len(sampled_token_ids):
             raise RuntimeError(
                 "SmurfsProposer was called without its step context: the vllm_smurfs patch of "
@@ -320,12 +330,12 @@ class SmurfsProposer:
                         remaining=_remaining_tokens(step.runner, r.req_id))
             for i, r in enumerate(requests)], max_lookahead)
         model_rows = plan.model_row_set
-        # The process drafters work for this step: pipelined, all requests while streaming is
-        # on (they lend cores only when there is something to draft); synchronous, the plan's.
+        # The process drafters work for this step: pipelined, on every request while streaming
+        # is on (they draft ahead of the chains now verified, for the next steps); synchronous,
+        # for the plan's requests.
         alive = bool(external_idx) and worker.models_alive
         if pipelined:
-            external_rows = set(range(n)) if (alive and plan.streaming
-                                              and any(plan.lookaheads)) else set()
+            external_rows = set(range(n)) if alive and plan.streaming else set()
         else:
             external_rows = set(plan.sync_rows) if alive else set()
         self.model_drafting.step(bool(external_rows))

@@ -15,8 +15,8 @@ from conftest import default_config
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = [48, 96, 32, 96, 16, 64, 96, 40]
-#: A prompt of about 300 tokens: with 32-token chunks its prefill spans about ten steps.
-LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 33)
+#: A prompt of about 240 tokens: with 32-token chunks its prefill spans about eight steps.
+LONG_PROMPT = " ".join([TINY_PROMPTS[6]] * 8)
 
 
 def one_drafter(family, **extra) -> dict:
@@ -71,3 +71,22 @@ def test_prompt_chunks_sharing_steps_neither_cost_a_token_nor_shut_the_drafter_o
     drafted = [i for i, s in enumerate(steps) if s.get("passes")]
     assert any(i in prompt_steps for i in drafted), "no model draft in a step with a prompt chunk"
     assert any(i > max(prompt_steps) for i in drafted), "no model draft after the prompt chunks"
+
+
+def test_the_one_controller_drives_a_process_drafter_losslessly(family):
+    # The same controller with a pipelined process drafter (streaming, switched on and off by
+    # what it brings) beside the n-gram voter, at the default settings.
+    config = one_drafter(family)
+    config["drafters"][0]["placement"] = "process"
+    common = dict(target=family.target, prompts=list(TINY_PROMPTS), max_tokens=MAX_TOKENS)
+    reference = run_job(Job(**common))
+    smurfs = run_job(Job(**common, speculative_config=config))
+    assert divergences(reference.token_ids, smurfs.token_ids) == {}
+    stats = smurfs.smurfs_stats
+    controller = stats["controller"]
+    # One controller, pricing the drafter as a streaming one: it drafted while on (the switch
+    # starts on), and on tiny models, where a drafter's engine step costs more than the
+    # target's, it was switched off (its drafts came too late to pay).
+    model = stats["drafters"][0]
+    assert model["engine_steps"] > 0, stats
+    assert controller["streaming"]["switches"] >= 1, controller["streaming"]
