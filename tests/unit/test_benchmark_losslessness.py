@@ -152,3 +152,36 @@ def test_margins_can_be_added_to_a_run_already_made(tmp_path, monkeypatch):
     assert "Near-ties (the two tokens' logits within 0.50): 1;" in summary_md
     assert "unchecked: 1 (margins: ok)" in summary_md  # the served one: no margin here
     assert add_to_run(str(run / "result.json"))["margins"]["num_queries"] == 2
+
+
+def test_margins_of_a_served_divergence_on_a_real_tokenizer_and_model(tmp_path):
+    """`margins.compute` on the tiny test target (Hugging Face, float32; a few seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.margins import compute
+    from smurfs_tools.jobs import first_divergence
+    from smurfs_tools.tiny_models import build_tiny_family
+
+    target = build_tiny_family(tmp_path, num_drafts=1).target
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompt = tokenizer.encode("the river runs to the", add_special_tokens=False)
+    reference, text = "the sea and the hills", "the sea and the river"
+    ref_ids = tokenizer.encode(reference, add_special_tokens=False)
+    my_ids = tokenizer.encode(text, add_special_tokens=False)
+    pos = first_divergence(ref_ids, my_ids)
+    out = compute({"target": target, "dtype": "float32", "queries": [
+        {"key": "served", "prompt_token_ids": prompt, "reference_text": reference,
+         "text": text},
+        {"key": "same", "prompt_token_ids": prompt, "reference_text": text, "text": text}]})
+    assert set(out) == {"served"}  # identical texts: nothing to measure
+    found = out["served"]
+    assert (found["token_position"], found["reference_token"], found["token"]) == (
+        pos, ref_ids[pos], my_ids[pos])
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + ref_ids[:pos]])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    assert found["margin"] == pytest.approx(float(top[0] - top[1]), abs=1e-4)
+    assert found["logits"][str(my_ids[pos])] == pytest.approx(float(logits[my_ids[pos]]),
+                                                               abs=1e-4)
