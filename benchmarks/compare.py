@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from benchmarks.analysis import OVERALL, ratio
-from benchmarks.report import fmt, table
+from benchmarks.report import fmt, fmt_identity, table
 from benchmarks.summary import concurrencies, is_served, served_load, summary_loads
 
 
@@ -57,12 +57,14 @@ def figures(row: dict[str, Any], load: str, family: str = OVERALL) -> dict[str, 
         else:
             tps, speedup, acc = fam.get("per_request_tokens_per_s"), fam.get("speedup"), None
         return {"tokens_per_s": tps, "speedup": speedup, "acceptance_length": acc,
-                "identity_rate": (row.get("identity") or {}).get("identity_rate")}
+                "identity_rate": (row.get("identity") or {}).get("identity_rate"),
+                "identity": row.get("identity")}
     fam = (row.get("families") or {}).get(family) or (row.get(OVERALL) if family == OVERALL
                                                         else None) or {}
     return {"tokens_per_s": fam.get("tokens_per_s"), "speedup": fam.get("speedup"),
             "acceptance_length": fam.get("mean_acceptance_length"),
-            "identity_rate": (row.get("identity") or {}).get("identity_rate")}
+            "identity_rate": (row.get("identity") or {}).get("identity_rate"),
+            "identity": row.get("identity")}
 
 
 def compare(a: dict[str, Any], b: dict[str, Any], family: str = OVERALL) -> str:
@@ -96,7 +98,7 @@ def compare(a: dict[str, Any], b: dict[str, Any], family: str = OVERALL) -> str:
             for key in ("tokens_per_s", "speedup", "acceptance_length"):
                 va, vb = fa.get(key), fb.get(key)
                 row += [fmt(va), fmt(vb), fmt(ratio(vb, va), suffix="x")]
-            row += [fmt(fa.get("identity_rate")), fmt(fb.get("identity_rate"))]
+            row += [fmt_identity(fa.get("identity")), fmt_identity(fb.get("identity"))]
             body.append(row)
         out += [table(["method", "tok/s A", "tok/s B", "B/A", "speedup A", "speedup B", "B/A",
                        "acc. len A", "acc. len B", "B/A", "identity A", "identity B"], body), ""]

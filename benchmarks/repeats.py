@@ -18,8 +18,8 @@ import os
 from typing import Any
 
 from benchmarks.compare import figures, load_result, upgrade
-from benchmarks.report import fmt, load_title, table
-from benchmarks.summary import summary_loads
+from benchmarks.report import fmt, fmt_identity, load_title, table
+from benchmarks.summary import VERDICTS, summary_loads
 
 #: Two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); beyond 30, 1.96.
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
@@ -59,8 +59,10 @@ def reduce_speedups(speedups: list[float]) -> dict[str, Any]:
 
 def aggregate(results: list[dict[str, Any]], sources: list[str] | None = None) -> dict[str, Any]:
     """Per load point and method, the speedups of every pass (`results`: run result JSONs with
-    their summaries) and their reduction; passes where a method has no speedup at a load point
-    (it failed there, or the pass did not run it) are counted in `missing`, not guessed."""
+    their summaries) and their reduction; a pass where a method's load point is not `ok`
+    (partial, error, not run, absent) or has no speedup is counted in `missing`, not guessed,
+    and each pass's status is kept (`statuses`). The identity checks of all passes are summed
+    (`identity`: compared, identical, and the divergences' verdicts)."""
     if not results:
         raise ValueError("no results to aggregate")
     results = [upgrade(r) for r in results]
@@ -77,18 +79,28 @@ def aggregate(results: list[dict[str, Any]], sources: list[str] | None = None) -
             labels += [label for label in r["summary"].get(load, {}) if label not in labels]
         rows: dict[str, Any] = {}
         for label in labels:
-            speedups, lengths, missing = [], [], 0
+            speedups, lengths, per_pass, statuses, missing = [], [], [], [], 0
+            identity = {key: 0 for key in ("compared", "identical", *VERDICTS)}
             for r in results:
                 row = r["summary"].get(load, {}).get(label)
+                status = row.get("status", "not run") if row is not None else "absent"
+                statuses.append(status)
+                for key in identity:
+                    identity[key] += ((row or {}).get("identity") or {}).get(key, 0)
                 fig = figures(row, load) if row is not None else {}
-                if fig.get("speedup") is None:
+                if status != "ok" or fig.get("speedup") is None:
                     missing += 1
+                    per_pass.append(None)
                     continue
                 speedups.append(float(fig["speedup"]))
+                per_pass.append(float(fig["speedup"]))
                 if fig.get("acceptance_length") is not None:
                     lengths.append(float(fig["acceptance_length"]))
-            entry: dict[str, Any] = {"missing": missing, "mean_acceptance_length": (
-                sum(lengths) / len(lengths) if lengths else None)}
+            entry: dict[str, Any] = {"missing": missing, "statuses": statuses,
+                                     "per_pass": per_pass,
+                                     "identity": identity if identity["compared"] else None,
+                                     "mean_acceptance_length": (
+                                         sum(lengths) / len(lengths) if lengths else None)}
             if speedups:
                 entry.update(reduce_speedups(speedups))
             rows[label] = entry
@@ -105,7 +117,11 @@ def render(agg: dict[str, Any]) -> str:
     """Markdown: one table per load point, one row per method."""
     out = [f"# Speedups over {agg['num_passes']} passes", "",
            f"Speedup over `{agg['baseline']}` measured within each pass; geometric mean over the "
-           "passes and a 95% Student-t interval of it (on the log speedups).", ""]
+           "passes and a 95% Student-t interval of it (on the log speedups). A pass whose load "
+           "point is not `ok` (status per pass, in pass order) counts as missing. Identical: "
+           "outputs identical to the reference's over all passes, and the divergences' verdicts "
+           "(near-tie: the target's two tokens within rounding of each other; unchecked: no "
+           "margins computed).", ""]
     for i, p in enumerate(agg["passes"], 1):
         prov = p.get("provenance") or {}
         git = prov.get("git") or {}
@@ -118,13 +134,16 @@ def render(agg: dict[str, Any]) -> str:
         body = []
         for label, e in rows.items():
             ci = e.get("ci95")
-            body.append([label, " ".join(fmt(s, suffix="x") for s in e.get("speedups", [])) or "-",
+            per_pass = e.get("per_pass", e.get("speedups", []))
+            body.append([label, " ".join(e.get("statuses", [])) or "-",
+                         " ".join(fmt(s, suffix="x") for s in per_pass) or "-",
                          fmt(e.get("geomean"), 3, "x"),
                          f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-",
                          fmt(e.get("min"), suffix="x"), fmt(e.get("mean_acceptance_length")),
-                         str(e["missing"])])
-        out += [table(["method", "speedup per pass", "geomean", "95% interval", "min",
-                       "mean acc. len", "passes missing"], body), ""]
+                         fmt_identity(e.get("identity")), str(e["missing"])])
+        out += [table(["method", "status per pass", "speedup per pass", "geomean",
+                       "95% interval", "min", "mean acc. len", "identical", "passes missing"],
+                      body), ""]
     return "\n".join(out)
 
 

@@ -39,9 +39,16 @@ def fmt_positions(rates: list[float] | None) -> str:
 
 
 def fmt_identity(identity: dict[str, Any] | None) -> str:
-    if not identity:
+    """identical/compared, and what the divergences are: "34/36 (1 near-tie, 1 NOT a
+    near-tie)"; "-" when nothing was compared."""
+    if not identity or not identity.get("compared"):
         return "-"
-    return f"{identity['identical']}/{identity['compared']}"
+    notes = [note for key, one, many in (("near_ties", "near-tie", "near-ties"),
+                                         ("not_near_ties", "NOT a near-tie", "NOT near-ties"),
+                                         ("unchecked", "unchecked", "unchecked"))
+             if (n := identity.get(key)) for note in [f"{n} {one if n == 1 else many}"]]
+    cell = f"{identity['identical']}/{identity['compared']}"
+    return f"{cell} ({', '.join(notes)})" if notes else cell
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -173,29 +180,69 @@ def _family_table(rows: dict[str, Any], families: list[str], key: str, suffix: s
 
 
 def _divergence_section(result: dict[str, Any]) -> list[str]:
+    """What the identity check compared and found: never "identical" when nothing was compared,
+    each divergence with the target's logits there and its verdict."""
+    summary = result["summary"]
     prompts = {p["index"]: p for p in result["prompts"]}
-    body = []
-    for load in summary_loads(result["summary"]):
-        for label, row in result["summary"][load].items():
+    body, compared, rows_compared, not_compared = [], 0, 0, []
+    verdicts = {"near_ties": 0, "not_near_ties": 0, "unchecked": 0}
+    references = {(load, (row.get("identity") or {}).get("reference"))
+                  for load in summary_loads(summary) for row in summary[load].values()}
+    for load in summary_loads(summary):
+        for label, row in summary[load].items():
             ident = row.get("identity") or {}
+            if not ident.get("compared"):
+                if row.get("status") != "not run" and (load, label) not in references:
+                    not_compared.append(f"{label} at {load}")
+                continue
+            compared += ident["compared"]
+            rows_compared += 1
+            for key in verdicts:
+                verdicts[key] += ident.get(key, 0)
             for d in ident.get("divergences", []):
                 p = prompts[d["prompt_index"]]
-                tokens = (f"{d.get('reference_token')} -> {d.get('token')}"
-                          if not is_served(load) else "(text)")
+                tokens = f"{d.get('reference_token')} -> {d.get('token')}"
+                if is_served(load):
+                    where = (f" at token {d['token_position']}"
+                             if d.get("token_position") is not None else "")
+                    tokens = f"{tokens}{where} (re-tokenized text)" if d.get(
+                        "reference_token") is not None else "(text)"
                 body.append([label, load, ident["reference"], f"{p['family']} q{p['question_id']}",
                              f"{d['position']} of {d['reference_length']}/{d['length']}", tokens,
                              fmt(d.get("top2_margin"), 3),
-                             fmt(d.get("reference_minus_token_logit"), 3)])
-    margins = result.get("margins") or {}
+                             fmt(d.get("reference_minus_token_logit"), 3),
+                             d.get("verdict", "unchecked")])
+    margins = result.get("margins")
+    margins_note = ("not computed (--no-margins)" if not margins
+                    else margins.get("status") or "-")
+    if margins and margins.get("error"):
+        margins_note += f": {margins['error'][:200]}"
     out = ["## Losslessness", ""]
-    if not body:
-        return out + ["Every compared output is identical to its reference.", ""]
-    out += [("First divergent position per prompt (token ids for offline loads, characters for "
-             "served text). The margin is the target's top-1 minus top-2 logit at that position "
-             "after the reference prefix (Hugging Face forward, run dtype; "
-             f"margins: {margins.get('status') or '-'}): near 0 means a near-tie."), "",
-            table(["method", "load", "reference", "prompt", "position (of ref/own length)",
-                   "ref -> own token", "top-2 margin", "ref - own logit"], body), ""]
+    if not compared:
+        out += ["No output was compared with a reference: identity is unknown (the run has no "
+                "`none` method at the load points it measured, or none of them completed).", ""]
+    elif not body:
+        out += [f"Every compared output is identical to its reference: {compared} outputs of "
+                f"{rows_compared} method/load rows.", ""]
+    else:
+        gap = summary.get("near_tie_logit_gap")
+        out += [(f"{compared} outputs of {rows_compared} method/load rows compared; "
+                 f"{len(body)} diverge. Near-ties (the two tokens' logits within {fmt(gap)}): "
+                 f"{verdicts['near_ties']}; NOT near-ties: {verdicts['not_near_ties']}; "
+                 f"unchecked: {verdicts['unchecked']} (margins: {margins_note})."
+                 + (" A divergence that is not a near-tie is not explained by rounding: check "
+                    "it." if verdicts["not_near_ties"] else "")), "",
+                ("First divergent position per prompt (token ids for offline loads, characters "
+                 "for served text). The margin is the target's top-1 minus top-2 logit at that "
+                 "position after the reference prefix, and the gap the reference's token's "
+                 "logit minus the method's (Hugging Face forward, run dtype; served: the texts "
+                 "re-tokenized)."), "",
+                table(["method", "load", "reference", "prompt", "position (of ref/own length)",
+                       "ref -> own token", "top-2 margin", "ref - own logit", "verdict"], body),
+                ""]
+    if not_compared:
+        out += ["Not compared (no reference output at their load point): "
+                + ", ".join(not_compared) + ".", ""]
     return out
 
 

@@ -6,6 +6,13 @@ Load points: `batch1`, `batched` (offline) and one `served@c<N>` per --concurren
 baseline's served@c4; identity is against the `none` run with the same thread placement when the
 run has one (bf16 output changes with the thread count even without speculation), else the
 baseline, also at the same load point.
+
+A load point whose status is not `ok` (partial: some prompts failed or were not reached; error;
+not run), or whose baseline's is not, gets no speedup: its figures cover other prompts than the
+baseline's, or none. Each divergence gets a verdict once the target's logits at it are known
+(`attach_margins`): a near-tie when the two tokens' logits are within `near_tie_logit_gap` of each
+other (what a different computation shape can flip in the run's dtype), else not a near-tie (a
+method that is not lossless would show there), unchecked while margins are not computed.
 """
 
 from __future__ import annotations
@@ -24,6 +31,12 @@ from benchmarks.analysis import (
 )
 
 OFFLINE_LOADS = ("batch1", "batched")
+#: Logit gap below which a divergence counts as a near-tie, by the run's dtype: bf16 keeps 8
+#: significant bits, so logits of 10-30 move by 0.05-0.1 with one rounding and by a few tenths
+#: when a different computation shape (batch, threads, a verification step of k+1 tokens) rounds
+#: every layer differently; float32 runs must be identical, so any real gap there is flagged.
+NEAR_TIE_LOGIT_GAP = {"bfloat16": 0.5, "float16": 0.5, "float32": 0.01}
+VERDICTS = ("near_ties", "not_near_ties", "unchecked")
 #: The load kinds --loads names; `served` expands to one load point per concurrency.
 LOADS = (*OFFLINE_LOADS, "served")
 SERVED_PREFIX = "served@c"
@@ -123,12 +136,81 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                     row["families"] = summarize_served(records, families, base_records)
                 reference = identity_reference(method, methods, baseline, load)
                 if reference is not None:
+                    ref_records = load_records(methods[reference], load)
                     row["identity"] = {"reference": reference,
-                                       **identity(_outputs(load_records(methods[reference], load),
-                                                           load), _outputs(records, load))}
+                                       **identity(_outputs(ref_records, load),
+                                                  _outputs(records, load))}
+                    if not is_served(load):
+                        _divergent_tokens(row["identity"], ref_records, records)
+                withheld = _speedup_withheld(entry, methods.get(baseline), baseline, load)
+                if withheld:
+                    _withhold_speedups(row, withheld)
             per_method[label] = row
         summary[load] = per_method
+    summary["near_tie_logit_gap"] = near_tie_logit_gap(result["settings"].get("dtype"))
+    classify_divergences(summary)
     return summary
+
+
+def near_tie_logit_gap(dtype: str | None) -> float:
+    """The near-tie bound for a run's dtype (bf16's for auto or an unknown one)."""
+    return NEAR_TIE_LOGIT_GAP.get(str(dtype).removeprefix("torch."), NEAR_TIE_LOGIT_GAP["bfloat16"])
+
+
+def _speedup_withheld(entry: dict[str, Any], baseline: dict[str, Any] | None, label: str,
+                      load: str) -> str | None:
+    """Why a row gets no speedup (its status or its baseline's is not ok), or None."""
+    status = entry.get("status", "not run")
+    if status != "ok":
+        return f"status {status}"
+    base_status = ((baseline or {}).get("loads", {}).get(load) or {}).get("status", "not run")
+    if base_status != "ok":
+        return f"baseline {label} status {base_status}"
+    return None
+
+
+def _withhold_speedups(row: dict[str, Any], reason: str) -> None:
+    for part in [row.get(OVERALL), row.get("totals"), *(row.get("families") or {}).values()]:
+        if isinstance(part, dict) and "speedup" in part:
+            part["speedup"] = None
+    row["speedup_withheld"] = reason
+
+
+def _divergent_tokens(ident: dict[str, Any], reference: dict[int, dict[str, Any]],
+                      mine: dict[int, dict[str, Any]]) -> None:
+    """Both outputs' tokens at each divergent position (None past an output's end)."""
+    for d in ident["divergences"]:
+        i, pos = d["prompt_index"], d["position"]
+        ref_ids, my_ids = reference[i]["output_token_ids"], mine[i]["output_token_ids"]
+        d["reference_token"] = ref_ids[pos] if pos < len(ref_ids) else None
+        d["token"] = my_ids[pos] if pos < len(my_ids) else None
+
+
+def _rows(summary: dict[str, Any]):
+    for load in summary_loads(summary):
+        for label, row in summary[load].items():
+            yield load, label, row
+
+
+def classify_divergences(summary: dict[str, Any]) -> None:
+    """Each divergence's verdict (near-tie, not a near-tie, unchecked: no logits known), from
+    the gap between the reference's token's logit and the method's token's at the divergent
+    position (the top-2 margin when one of the two logits is unknown), and the counts per row
+    in its identity (keys `VERDICTS`)."""
+    gap_bound = summary.get("near_tie_logit_gap", NEAR_TIE_LOGIT_GAP["bfloat16"])
+    for _, _, row in _rows(summary):
+        ident = row.get("identity")
+        if not ident:
+            continue
+        counts = dict.fromkeys(VERDICTS, 0)
+        for d in ident["divergences"]:
+            gap = d.get("reference_minus_token_logit")
+            gap = abs(gap) if gap is not None else d.get("top2_margin")
+            d["verdict"] = ("unchecked" if gap is None
+                            else "near-tie" if gap < gap_bound else "not a near-tie")
+            counts[{"unchecked": "unchecked", "near-tie": "near_ties"}.get(
+                d["verdict"], "not_near_ties")] += 1
+        ident.update(counts)
 
 
 def _summarize_batched(entry: dict[str, Any], baseline: dict[str, Any], load: str
@@ -177,44 +259,58 @@ def _summarize_served_totals(entry: dict[str, Any], baseline: dict[str, Any], lo
 
 
 def divergence_queries(result: dict[str, Any], summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """One margin query per distinct (reference, load, prompt, position) among token divergences,
-    with the key written into each divergence entry of `summary`."""
+    """One margin query per distinct (reference, load, prompt, position) among the divergences,
+    with the key written into each divergence entry of `summary`.
+
+    Offline loads have token ids: the query is the reference's output before the divergent
+    position. Served loads have texts only: the query carries both texts, and `margins`
+    tokenizes them with the target's tokenizer to find the first divergent token (an
+    approximation: re-tokenized text may be split otherwise than the server generated it)."""
     methods = {m["label"]: m for m in result["methods"]}
     prompts = {p["index"]: p for p in result["prompts"]}
     queries: dict[str, dict[str, Any]] = {}
-    for load in ("batch1", "batched"):
-        for label, row in summary.get(load, {}).items():
-            ident = row.get("identity")
-            if not ident:
+    for load, label, row in _rows(summary):
+        ident = row.get("identity")
+        if not ident:
+            continue
+        reference = load_records(methods[ident["reference"]], load)
+        mine = load_records(methods[label], load)
+        for d in ident["divergences"]:
+            i, pos = d["prompt_index"], d["position"]
+            key = f"{ident['reference']}|{load}|{i}|{pos}"
+            d["margin_key"] = key
+            if is_served(load):
+                queries.setdefault(key, {"key": key,
+                                         "prompt_token_ids": prompts[i]["prompt_token_ids"],
+                                         "reference_text": reference[i]["text"],
+                                         "text": mine[i]["text"]})
                 continue
-            reference = load_records(methods[ident["reference"]], load)
-            mine = load_records(methods[label], load)
-            for d in ident["divergences"]:
-                i, pos = d["prompt_index"], d["position"]
-                ref_ids, my_ids = reference[i]["output_token_ids"], mine[i]["output_token_ids"]
-                key = f"{ident['reference']}|{load}|{i}|{pos}"
-                d["margin_key"] = key
-                d["reference_token"] = ref_ids[pos] if pos < len(ref_ids) else None
-                d["token"] = my_ids[pos] if pos < len(my_ids) else None
-                query = queries.setdefault(key, {"key": key,
-                                                 "prompt_token_ids": prompts[i]["prompt_token_ids"],
-                                                 "prefix_token_ids": ref_ids[:pos], "tokens": []})
-                for token in (d["reference_token"], d["token"]):
-                    if token is not None and token not in query["tokens"]:
-                        query["tokens"].append(token)
+            ref_ids = reference[i]["output_token_ids"]
+            _divergent_tokens({"divergences": [d]}, reference, mine)
+            query = queries.setdefault(key, {"key": key,
+                                             "prompt_token_ids": prompts[i]["prompt_token_ids"],
+                                             "prefix_token_ids": ref_ids[:pos], "tokens": []})
+            for token in (d["reference_token"], d["token"]):
+                if token is not None and token not in query["tokens"]:
+                    query["tokens"].append(token)
     return list(queries.values())
 
 
 def attach_margins(summary: dict[str, Any], margins: dict[str, Any]) -> None:
-    """Write the target's top-2 margin (and the two tokens' logit gap) into each divergence."""
-    for load in ("batch1", "batched"):
-        for row in summary.get(load, {}).values():
-            for d in (row.get("identity") or {}).get("divergences", []):
-                found = margins.get(d.get("margin_key", ""))
-                if found is None:
-                    continue
-                d["top2_margin"] = found["margin"]
-                logits = found["logits"]
-                a, b = str(d.get("reference_token")), str(d.get("token"))
-                d["reference_minus_token_logit"] = (logits[a] - logits[b]
-                                                    if a in logits and b in logits else None)
+    """Write the target's top-2 margin (and the two tokens' logit gap) into each divergence, and
+    its verdict (`classify_divergences`). Served divergences also get the tokens `margins` found
+    by re-tokenizing the texts, and their position in tokens."""
+    for load, _, row in _rows(summary):
+        for d in (row.get("identity") or {}).get("divergences", []):
+            found = margins.get(d.get("margin_key", ""))
+            if found is None:
+                continue
+            if is_served(load):
+                d["reference_token"], d["token"] = found.get("reference_token"), found.get("token")
+                d["token_position"] = found.get("token_position")
+            d["top2_margin"] = found["margin"]
+            logits = found["logits"]
+            a, b = str(d.get("reference_token")), str(d.get("token"))
+            d["reference_minus_token_logit"] = (logits[a] - logits[b]
+                                                if a in logits and b in logits else None)
+    classify_divergences(summary)

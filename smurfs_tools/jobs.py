@@ -29,6 +29,9 @@ class Job:
     max_tokens: list[int] | int = 32
     temperature: float = 0.0
     seeds: list[int] | None = None  # one sampling seed per prompt (for temperature > 0)
+    # The engine's seed (its random streams at temperature > 0): runs compared statistically
+    # need seeds of their own, or they share their randomness.
+    seed: int = 0
     dtype: str = "float32"
     max_model_len: int = 512
     chat_template: bool = False  # apply the tokenizer's chat template to each prompt
@@ -40,6 +43,10 @@ class Job:
     arrive_at: dict[int, int] = field(default_factory=dict)
     abort_after: dict[int, int] = field(default_factory=dict)
     one_at_a_time: bool = False  # batch 1: each prompt generated alone, in order
+    # Test-only instrumentation: Python files run in the job's process before its engine starts
+    # (e.g. tests/e2e/lossy_verifier.py, which breaks the verifier for a control run). The engine
+    # is in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so what they patch is what it runs.
+    preload: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # JSON (the job travels to its process as JSON) turns integer keys into strings.
@@ -115,10 +122,14 @@ def run_job(job: Job, timeout_s: float = 900.0) -> Result:
 
 
 def _execute(job: Job) -> Result:
+    import runpy
+
+    for path in job.preload:
+        runpy.run_path(path, run_name="smurfs_job_preload")
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model=job.target, dtype=job.dtype, max_model_len=job.max_model_len, seed=0,
+    llm = LLM(model=job.target, dtype=job.dtype, max_model_len=job.max_model_len, seed=job.seed,
               enforce_eager=True, disable_log_stats=False,
               speculative_config=job.speculative_config, **job.engine_args)
     startup_s = time.perf_counter() - started

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -32,10 +33,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(target: str, log_path: Path, extra_args: list[str]) -> Iterator[str]:
-    """A float32 `vllm serve target` on a free loopback port; yields its base URL."""
+def vllm_server(target: str, log_path: Path, extra_args: list[str],
+                env: dict[str, str] | None = None) -> Iterator[str]:
+    """A float32 `vllm serve target` on a free loopback port (``env`` added to this process's
+    environment); yields its base URL."""
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             vllm_command() + ["serve", target, "--dtype", "float32", "--max-model-len", "512",
@@ -75,3 +79,71 @@ def spec_counters(base: str) -> dict[str, float]:
         assert match, f"/metrics has no vllm:spec_decode_{name}_total"
         found[name] = float(match.group(1))
     return found
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a process in /proc (R running, S sleeping, T stopped, Z zombie);
+    "gone" when it no longer exists."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+class ServerLog:
+    """What a server wrote to its log: Smurfs' periodic stats lines and its error lines, read
+    while it runs (only whole lines)."""
+
+    STATS = re.compile(r"Smurfs drafters: (\{.*\})\s*$")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def lines(self) -> list[str]:
+        text = self.path.read_text(errors="replace")
+        return text.splitlines()[: text.count("\n")]
+
+    def drafter_stats(self) -> list[dict[str, dict]]:
+        """Every stats line so far, in order: {drafter name: its entry}."""
+        found = []
+        for line in self.lines():
+            match = self.STATS.search(line)
+            if match:
+                try:
+                    stats = json.loads(match.group(1))
+                except json.JSONDecodeError:
+                    continue
+                found.append({d["name"]: d for d in stats["drafters"]})
+        return found
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        """The first match of ``pattern`` in the log, waiting up to ``timeout_s`` for it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for line in self.lines():
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no log line matching {pattern!r} within {timeout_s} s:\n"
+                                     + "\n".join(self.lines()[-40:]))
+            time.sleep(0.05)
+
+    def wait_engine_steps(self, name: str, timeout_s: float) -> tuple[int, int]:
+        """Wait until drafter ``name``'s engine steps grow from one stats line to a later one
+        (it is alive and stepping); returns the two counts."""
+        deadline = time.monotonic() + timeout_s
+        first = None
+        while True:
+            stats = self.drafter_stats()
+            if stats:
+                entry = stats[-1][name]
+                if first is None:
+                    first = entry["engine_steps"]
+                elif entry["alive"] and entry["engine_steps"] > first:
+                    return first, entry["engine_steps"]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"drafter {name}'s engine steps did not grow within "
+                                     f"{timeout_s} s: {stats[-1:] if stats else 'no stats'}")
+            time.sleep(0.05)

@@ -5,6 +5,7 @@ Every run here is the real vLLM CPU engine in float32 on the tiny models, compar
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,10 @@ from smurfs_tools.tiny_models import TINY_PROMPTS
 from conftest import MAX_TOKENS, default_config, smurfs_config
 
 pytestmark = pytest.mark.e2e
+
+# Test-only instrumentation of the engine's process: records every in-worker draft.
+DRAFT_RECORDER = str(Path(__file__).with_name("draft_recorder.py"))
+DRAFTER_CONTEXT = 64  # max_model_len of the drafter that stops drafting past it
 
 # A prompt longer than the step's token budget below: its prefill is split into chunks.
 LONG_PROMPT = " ".join([TINY_PROMPTS[6]] * 8)
@@ -90,19 +95,35 @@ def test_the_default_config_at_batch_1_is_lossless(family, greedy_runs):
     assert divergences(reference.token_ids, smurfs.token_ids) == {}
 
 
-def test_the_default_config_with_16_requests_some_past_a_drafters_context_is_lossless(family):
-    # 16 requests of mixed lengths at once; one drafter's context limit (64 tokens) is below
-    # the longer ones', which it stops drafting for while the others go on.
+def test_16_requests_some_past_a_drafters_context_are_lossless_and_not_drafted_by_it(
+        family, tmp_path):
+    # 16 requests of mixed lengths at once, the default config with one drafter's context limit
+    # (64 tokens) below the longer requests' (at least one draft token per step, so that the
+    # model drafters draft throughout: on tiny models the controller would rightly stop them).
     prompts = list(TINY_PROMPTS) * 2
     max_tokens = [8, 120, 16, 90, 3, 48, 150, 32, 70, 5, 100, 20, 60, 130, 40, 11]
-    spec = default_config(family)
-    spec["drafters"][0] = {"model": family.drafts[0], "max_model_len": 64}
+    spec = default_config(family, lookahead={"min_tokens": 1})
+    spec["drafters"][0] = {"model": family.drafts[0], "max_model_len": DRAFTER_CONTEXT}
     common = dict(target=family.target, prompts=prompts, max_tokens=max_tokens)
     reference = run(None, **common)
-    smurfs = run(spec, **common)
-    assert max(len(p.split()) + m for p, m in zip(prompts, max_tokens)) > 64
+    log = tmp_path / "drafts.jsonl"
+    smurfs = run(spec, preload=[DRAFT_RECORDER], env={"SMURFS_TEST_DRAFT_LOG": str(log)},
+                 **common)
     assert smurfs.num_drafts > 0 and smurfs.smurfs_stats["drafter_forwards"] > 0
     assert divergences(reference.token_ids, smurfs.token_ids) == {}
+    # Per (request, context length), i.e. per request and step: tokens each drafter drafted.
+    drafted: dict[tuple[str, int], dict[str, int]] = {}
+    for line in log.read_text().splitlines():
+        call = json.loads(line)
+        for req_id, context_len, n in call["requests"]:
+            drafted.setdefault((req_id, context_len), {})[call["drafter"]] = n
+    past = {key: per for key, per in drafted.items() if key[1] >= DRAFTER_CONTEXT}
+    within = {key: per for key, per in drafted.items() if key[1] < DRAFTER_CONTEXT}
+    # The others drafted for requests past draft-0's context ...
+    assert sum(per.get("draft-1", 0) + per.get("draft-2", 0) for per in past.values()) > 0
+    # ... while draft-0 drafted for the requests within it, and never for one past it.
+    assert sum(per.get("draft-0", 0) for per in within.values()) > 0
+    assert [key for key, per in past.items() if per.get("draft-0", 0)] == []
 
 
 @pytest.mark.parametrize("placement", ["worker", "process"])
@@ -144,8 +165,12 @@ def test_a_failing_in_worker_drafter_is_left_out_and_output_unchanged(family, gr
                  env={"SMURFS_DRAFTER_FAULT": "draft-1=raise_after:10"})
     assert divergences(greedy_runs("none").token_ids, result.token_ids) == {}
     stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}
+    # It drafted in the measured run before its fault, and was left out at the fault: it drafted
+    # for a fraction of the steps the others drafted for.
+    assert stats["draft-1"]["engine_steps"] > 0 and stats["draft-1"]["drafted_tokens"] > 0
     assert stats["draft-1"]["alive"] is False
     assert stats["draft-0"]["alive"] and stats["draft-2"]["alive"]
+    assert 2 * stats["draft-1"]["engine_steps"] < stats["draft-0"]["engine_steps"]
     assert result.num_accepted_tokens > 0  # the others kept speculating
 
 

@@ -2,6 +2,7 @@
 or open file; also when a drafter never started."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -52,6 +53,8 @@ SCRIPT = textwrap.dedent(r'''
                                    {"method": "ngram"}]})
         llm.generate(["the river runs to the sea"], SamplingParams(max_tokens=16))
         during = snapshot(trace)
+        from vllm_smurfs.metrics import get_smurfs_stats
+        during["drafters"] = {d["name"]: d["alive"] for d in get_smurfs_stats(llm)["drafters"]}
         del llm
         gc.collect()
         time.sleep(0.5)
@@ -60,7 +63,8 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
-def run_and_snapshot(family, tmp_path, process_draft: str) -> dict:
+def run_and_snapshot(family, tmp_path, process_draft: str) -> tuple[dict, str]:
+    """The snapshots, and the engine's log (vLLM logs to stdout)."""
     trace = tmp_path / "trace.jsonl"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, family.target, family.drafts[0],
                            process_draft, str(trace)],
@@ -69,7 +73,7 @@ def run_and_snapshot(family, tmp_path, process_draft: str) -> dict:
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     snapshots = json.loads(lines[0].removeprefix("SNAPSHOTS "))
     print(f"\n{json.dumps(snapshots, indent=1)}")
-    return snapshots
+    return snapshots, proc.stdout + proc.stderr
 
 
 def assert_nothing_left(snapshots: dict) -> None:
@@ -83,9 +87,10 @@ def assert_nothing_left(snapshots: dict) -> None:
 
 
 def test_nothing_of_smurfs_outlives_its_engine(family, tmp_path):
-    snapshots = run_and_snapshot(family, tmp_path, family.drafts[1])
+    snapshots, _ = run_and_snapshot(family, tmp_path, family.drafts[1])
     during = snapshots["during"]
     # While it runs there is something to leave behind: the test can fail.
+    assert during["drafters"] == {"draft-0": True, "draft-1": True, "ngram[2,4]": True}
     assert during["children"] and during["trace_open"]
     assert len(during["folders"]) > len(snapshots["before"]["folders"])
     assert_nothing_left(snapshots)
@@ -102,4 +107,14 @@ def test_a_drafter_that_never_starts_leaves_nothing_either(family, tmp_path):
     for item in Path(family.drafts[1]).iterdir():
         if not item.name.endswith(".safetensors"):
             shutil.copy(item, broken / item.name)
-    assert_nothing_left(run_and_snapshot(family, tmp_path, str(broken)))
+    snapshots, log = run_and_snapshot(family, tmp_path, str(broken))
+    # It was launched (its process answered that its engine failed to start, or exited with a
+    # code before it answered) and is reported not alive, the others alive.
+    assert re.search(r"Smurfs drafter broken-draft is left out for the rest of the run: drafter "
+                     r"(engine failed to start|process did not connect \(exit code -?\d+\)|"
+                     r"engine did not start \(exit code -?\d+\))", log), log[-6000:]
+    assert snapshots["during"]["drafters"] == {"draft-0": True, "broken-draft": False,
+                                               "ngram[2,4]": True}
+    # Its socket's folder was made when it was launched, and is gone with the engine.
+    assert len(snapshots["during"]["folders"]) > len(snapshots["before"]["folders"])
+    assert_nothing_left(snapshots)

@@ -38,7 +38,7 @@ from benchmarks.placement import descendants, snapshot_process
 from benchmarks.report import describe_placement, render_markdown
 from benchmarks.served import ServeSettings, bench_command, parse_bench_result
 from benchmarks.spec_bench import FAMILIES, family_of, select_prompts
-from benchmarks.summary import attach_margins, divergence_queries, summarize
+from benchmarks.summary import attach_margins, divergence_queries, summarize, summary_loads
 
 # ------------------------------------------------------------------------------------------
 # Spec-Bench families and selection
@@ -328,13 +328,25 @@ def test_divergence_queries_deduplicate_and_margins_attach():
     result = synthetic_result()
     result["summary"] = summarize(result)
     queries = divergence_queries(result, result["summary"])
+    # Offline: the reference's tokens before the divergence; served: both texts (the margins
+    # child tokenizes them).
     assert queries == [{"key": "none@1thread|batch1|1|1", "prompt_token_ids": [9],
-                        "prefix_token_ids": [4], "tokens": [5, 9]}]
-    attach_margins(result["summary"], {"none@1thread|batch1|1|1": {
-        "margin": 0.125, "logits": {"5": 3.0, "9": 2.75}}})
+                        "prefix_token_ids": [4], "tokens": [5, 9]},
+                       {"key": "none@2threads|served@c16|1|0", "prompt_token_ids": [9],
+                        "reference_text": "y", "text": "z"}]
+    attach_margins(result["summary"], {
+        "none@1thread|batch1|1|1": {"margin": 0.125, "logits": {"5": 3.0, "9": 2.75}},
+        "none@2threads|served@c16|1|0": {"margin": 0.0, "logits": {"40": 1.0, "41": 4.0},
+                                         "token_position": 0, "reference_token": 40,
+                                         "token": 41}})
     d = result["summary"]["batch1"]["smurfs:4@1thread"]["identity"]["divergences"][0]
     assert d["top2_margin"] == 0.125 and d["reference_minus_token_logit"] == 0.25
     assert (d["reference_token"], d["token"]) == (5, 9)
+    assert d["verdict"] == "near-tie"  # bf16: within 0.5
+    served = result["summary"]["served@c16"]["smurfs:4@1thread"]["identity"]
+    assert served["divergences"][0]["reference_minus_token_logit"] == -3.0
+    assert served["divergences"][0]["verdict"] == "not a near-tie"
+    assert (served["near_ties"], served["not_near_ties"], served["unchecked"]) == (0, 1, 0)
 
 
 def test_report_and_compare_render():
@@ -574,7 +586,7 @@ def multi_load_result() -> dict:
 def test_served_summary_per_load_point_against_the_baseline_at_the_same_one():
     result = multi_load_result()
     summary = summarize(json.loads(json.dumps(result)))
-    assert [k for k in summary if k != "baseline"] == ["batch1", "served@c1", "served@c4"]
+    assert summary_loads(summary) == ["batch1", "served@c1", "served@c4"]
     c1, c4 = summary["served@c1"], summary["served@c4"]
     assert c1["smurfs:4@1thread"]["totals"]["speedup"] == pytest.approx(2.5)  # 25 / 10
     assert c4["smurfs:4@1thread"]["totals"]["speedup"] == pytest.approx(1.5)  # 30 / 20, not 3.0
@@ -814,8 +826,11 @@ def test_aggregate_lists_every_pass_and_counts_the_missing_ones():
     assert agg["passes"][0]["provenance"]["git"]["sha"] == "abc"
     text = render(agg)
     assert "# Speedups over 2 passes" in text
-    assert "| smurfs:4@1thread | 1.50x 0.90x | 1.162x |" in text
-    assert "| suffix:4@2threads | - | - | - | - | - | 2 |" in text
+    assert "| smurfs:4@1thread | ok ok | 1.50x 0.90x | 1.162x |" in text
+    assert "| suffix:4@2threads | error error | - - | - | - | - | - | - | 2 |" in text
+    # the texts of c4 are the reference's: identical in both passes
+    assert agg["loads"]["served@c4"]["smurfs:4@1thread"]["identity"]["identical"] == 4
+    assert "| 2.50 | 4/4 | 0 |" in text
     other = _pass(30.0)
     other["summary"]["baseline"] = "none@1thread"
     with pytest.raises(ValueError, match="different baselines"):

@@ -1,0 +1,30 @@
+"""TEST-ONLY: record what each in-worker drafter drafted, request by request.
+
+Run in a generation job's process before its engine starts (`Job(preload=[this file])`, with
+``SMURFS_TEST_DRAFT_LOG`` naming the file to append to; never imported by the plugin). Every call
+of `InWorkerDrafter.draft_safely` appends one JSON line: the drafter's name and, per request,
+``[req_id, context length, tokens drafted]``. A request's context grows every step, so
+``(req_id, context length)`` names one step of one request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from vllm_smurfs.in_worker_drafter import InWorkerDrafter
+
+_LOG = os.environ["SMURFS_TEST_DRAFT_LOG"]
+_draft_safely = InWorkerDrafter.draft_safely
+
+
+def draft_safely_recorded(self, req_ids, rows, contexts, caps, runner, stop):
+    result = _draft_safely(self, req_ids, rows, contexts, caps, runner, stop)
+    line = {"drafter": self.name,
+            "requests": [[r, len(c), len(t)] for r, c, t in zip(req_ids, contexts, result.tokens)]}
+    with open(_LOG, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return result
+
+
+InWorkerDrafter.draft_safely = draft_safely_recorded
