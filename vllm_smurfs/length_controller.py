@@ -92,10 +92,12 @@ DRAFT_MARGIN = 0.03
 # up with many requests, a prefill of each prompt in the drafter, would be an investment made on
 # a guess) drafts EXPLORE_DRAFT_TOKENS tokens for the requests cheapest to catch up with,
 # EXPERIMENT_CATCH_UP_TOKENS of catch-up in all (at least one request). Its price (what it loses
-# by the mean estimates, its catch-ups charged in full) is kept within EXPLORE_BUDGET of the
-# target time run so far plus EXPLORE_ALLOWANCE_S; the first experiment is always made. (Under a
-# simulated cold burst of 32 requests, a first model step for all of them on the prior cost 8% of
-# the run, for drafts that then did not pay.)
+# by the mean estimates, its catch-ups charged as in any plan) is kept within EXPLORE_BUDGET of
+# the target time run so far plus EXPLORE_ALLOWANCE_S; the first experiment is always made.
+# (Under a simulated cold burst of 32 requests, a first model step for all of them on the prior
+# cost 8% of the run, for drafts that then did not pay. Charging an experiment's catch-ups in
+# full spent the budget on the first request's prompt, and that request then went without
+# drafts for 9 of its 37 steps on the real models.)
 EXPLORE_BUDGET = 0.02
 EXPLORE_ALLOWANCE_S = 0.25
 EXPLORE_DRAFT_TOKENS = 2
@@ -209,7 +211,6 @@ class _ModelChoice:
     expected: float
     tokens: float
     extra_s: float
-    full_catch_up_s: float  # the first forwards' price with catch-ups charged in full
 
 
 class LengthController:
@@ -389,8 +390,8 @@ class LengthController:
         few observations to say anything), the models draft their first EXPLORE_DRAFT_TOKENS
         tokens for the requests cheapest to catch up with (EXPERIMENT_CATCH_UP_TOKENS of
         catch-up in all, at least one request), if its price (what it loses by the mean
-        estimates, the catch-ups in full) fits the exploration budget; the first experiment
-        always does."""
+        estimates, its catch-ups charged as in any plan) fits the exploration budget; the first
+        experiment always does."""
         optimistic = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
                                         self._model_curves(requests, caps, OPTIMISM), rho,
                                         verify_s, value, limit)
@@ -408,23 +409,20 @@ class LengthController:
         ks = {i: max(min(caps[i], EXPLORE_DRAFT_TOKENS), min(lows[i], caps[i])) for i in rows}
         exp_tokens = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
         tokens = float(sum(1 + k for k in hand_ks))
-        catch_up, full = [0.0] * nd, [0.0] * nd
+        catch_up = [0.0] * nd
         for i in rows:
             exp_tokens += expected(mean_curves[i], ks[i]) - expected(hand[i], hand_ks[i])
             tokens += ks[i] - hand_ks[i]
             spread = _spread_steps(requests[i].remaining, expected(mean_curves[i], ks[i]))
             for d, c in enumerate(_catch_ups(requests[i], nd)):
                 catch_up[d] += _charged(c, self.max_lookahead, spread)
-                full[d] += float(c or 0)
         max_k = max(ks.values())
         extra = self._models_s(catch_up, len(rows), max_k)
         experiment = _ModelChoice(rows, ks, value(_Point(exp_tokens, tokens, extra)),
-                                  exp_tokens, tokens, extra,
-                                  self._models_s(full, len(rows), max_k))
+                                  exp_tokens, tokens, extra)
         hand_value = value(_Point(sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True)),
                                   float(sum(1 + k for k in hand_ks))))
-        price_s = (max(0.0, hand_value - experiment.value) / max(rho, 1e-9)
-                   + experiment.full_catch_up_s - experiment.extra_s)
+        price_s = max(0.0, hand_value - experiment.value) / max(rho, 1e-9)
         if self.counts["explore_steps"] and (self.explore_spent_s + price_s
                                              > self._explore_allowance()):
             return None
@@ -558,18 +556,17 @@ class LengthController:
                 top += 1
             top = min(top, caps[i])
             spread = _spread_steps(r.remaining, expected(qs, top))
-            full = [float(c) if c is not None else 0.0 for c in _catch_ups(r, nd)]
             charged = [_charged(c, self.max_lookahead, spread) for c in _catch_ups(r, nd)]
             # Ordering: what the request gains against its verification and its catch-up.
             net = expected(qs, top) - expected(hand[i], hand_ks[i]) - rho * (
                 verify_s * (top - hand_ks[i]) + sum(
                     cost(c + 1) - cost(1) for cost, c in zip(self.pass_costs, charged,
                                                               strict=True)))
-            cands.append((net, i, top, charged, full))
+            cands.append((net, i, top, charged))
         if not cands:
             return None
         cands.sort(key=lambda c: -c[0])
-        longest = max(top for _, _, top, _, _ in cands)
+        longest = max(top for _, _, top, _ in cands)
         checkpoints = _checkpoints(len(cands))
         best_at: tuple[int, int] | None = None  # (K, prefix length) of the best so far
         best_value = 0.0
@@ -577,7 +574,7 @@ class LengthController:
             exp_tokens, tokens = base_expected, base_tokens
             catch_up = [0.0] * nd
             max_k = 0
-            for m, (net, i, top, charged, _) in enumerate(cands, 1):
+            for m, (net, i, top, charged) in enumerate(cands, 1):
                 if net <= 0 and m > 1 and not self.force_models:
                     break
                 k = max(min(top, K), min(lows[i], caps[i]))
@@ -596,17 +593,15 @@ class LengthController:
         if best_at is None:
             return None
         K, m = best_at
-        rows = [i for _, i, _, _, _ in cands[:m]]
-        ks = {i: max(min(top, K), min(lows[i], caps[i])) for _, i, top, _, _ in cands[:m]}
+        rows = [i for _, i, _, _ in cands[:m]]
+        ks = {i: max(min(top, K), min(lows[i], caps[i])) for _, i, top, _ in cands[:m]}
         exp_tokens = base_expected + sum(expected(curves[i], k) - expected(hand[i], hand_ks[i])
                                          for i, k in ks.items())
         tokens = base_tokens + sum(k - hand_ks[i] for i, k in ks.items())
         charged = [sum(c[3][d] for c in cands[:m]) for d in range(nd)]
-        full = [sum(c[4][d] for c in cands[:m]) for d in range(nd)]
         max_k = max(ks.values())
         extra = self._models_s(charged, m, max_k)
-        best = _ModelChoice(rows, ks, best_value, exp_tokens, tokens, extra,
-                            self._models_s(full, m, max_k))
+        best = _ModelChoice(rows, ks, best_value, exp_tokens, tokens, extra)
         return best
 
     def _model_plan(self, requests: Sequence[PlanRequest], caps: list[int], hand_ks: list[int],
