@@ -271,7 +271,10 @@ def pipeline_figures(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None
       the target computed (synchronous drafting waits for all of it: about 0; clamped to [0, 1]);
     - ``wait_share``: wait_s over the generation seconds;
     - ``no_models_share``: the share of steps the lookahead policy left the model drafters out of
-      (model-free drafts only, or none; None for stats without that counter).
+      (model-free drafts only, or none; None for stats without that counter);
+    - ``no_models_free_chain_share``, ``no_models_no_chain_share``: of the (request, step)
+      pairs, the share the model drafters did not draft for where the model-free voters had a
+      chain, and where they had none (None for stats without those counters).
     """
     stats = [(r["smurfs_stats"], r.get("elapsed_s", 0.0)) for r in records
              if r.get("smurfs_stats")]
@@ -285,11 +288,19 @@ def pipeline_figures(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None
     steps = sum(s.get("steps", 0) for s, _ in stats)
     no_models = (sum(s["steps_without_models"] for s, _ in stats)
                  if all("steps_without_models" in s for s, _ in stats) else None)
+    split = all("request_steps" in s for s, _ in stats)
+    request_steps = sum(s.get("request_steps", 0) for s, _ in stats)
     hidden = None if busy_s <= 0 else min(1.0, max(0.0, 1.0 - wait_s / busy_s))
     return {"requests_drafted": drafted, "requests_without_draft": without,
             "no_draft_share": ratio(without, drafted), "drafter_busy_s": round(busy_s, 3),
             "wait_s": round(wait_s, 3), "hidden_share": hidden,
             "wait_share": ratio(wait_s, elapsed_s),
             "no_models_share": None if no_models is None else ratio(no_models, steps),
+            "no_models_free_chain_share": ratio(sum(
+                s["request_steps_without_models_free_chain"] for s, _ in stats),
+                request_steps) if split else None,
+            "no_models_no_chain_share": ratio(sum(
+                s["request_steps_without_models_no_chain"] for s, _ in stats),
+                request_steps) if split else None,
             "engine_steps": sum(d.get("engine_steps", 0) for s, _ in stats
                                 for d in s["drafters"])}

@@ -250,16 +250,20 @@ def _pipeline_section(rows: dict[str, Any]) -> list[str]:
     """Smurfs' own figures at batch 1 (from its stats, `analysis.pipeline_figures`)."""
     body = [[label, str(p["requests_drafted"]), fmt(p["no_draft_share"]),
              fmt(p["drafter_busy_s"], 1), fmt(p["wait_s"], 1), fmt(p["hidden_share"]),
-             fmt(p["wait_share"]), fmt(p.get("no_models_share"))]
+             fmt(p["wait_share"]), fmt(p.get("no_models_share")),
+             fmt(p.get("no_models_free_chain_share")), fmt(p.get("no_models_no_chain_share"))]
             for label, r in rows.items() if (p := r.get("pipeline"))]
     if not body:
         return []
     return ["Smurfs pipeline: (request, step) pairs given a lookahead, the share with no draft "
             "ready, seconds the drafters computed and the target waited for them, the share of "
             "drafting hidden behind verification (1 - waited / computed), of generation time "
-            "spent waiting, and of steps the lookahead policy left the model drafters out of:", "",
+            "spent waiting, of steps the lookahead policy left the model drafters out of, and of "
+            "(request, step) pairs without them where the n-gram voter had a chain and where it "
+            "had none:", "",
             table(["method", "drafted steps", "no draft ready", "drafter busy s", "waited s",
-                   "hidden", "waiting share", "steps without models"], body), ""]
+                   "hidden", "waiting share", "steps without models",
+                   "without models, n-gram chain", "without models, no chain"], body), ""]
 
 
 def _placement_section(result: dict[str, Any]) -> list[str]:

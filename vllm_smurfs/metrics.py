@@ -52,6 +52,11 @@ class SmurfsStats:
     requests_drafted: int = 0  # (request, step) pairs with a lookahead > 0
     requests_without_draft: int = 0  # of those, the ones no drafter had anything ready for
     steps_without_models: int = 0  # steps the policy left the model drafters out of
+    request_steps: int = 0  # (request, step) pairs planned
+    # Of those, the ones the model drafters did not draft for, where the model-free voters had a
+    # chain for the request and where they had none.
+    request_steps_without_models_free_chain: int = 0
+    request_steps_without_models_no_chain: int = 0
     prefill_takebacks: int = 0  # steps with prompt chunks that took lent cores back
     drafter_forwards: int = 0  # forwards of in-worker drafters
     drafter_tokens: int = 0  # tokens they computed (catch-up and draft tokens fed back)

@@ -391,6 +391,12 @@ class SmurfsProposer:
             state = self._state(request.req_id)
             state.free_chain = free_chains[i]
             state.models = i in model_rows or any(per[d] for d in external_idx)
+            self.stats.request_steps += 1
+            if not state.models:
+                if free_lens[i]:
+                    self.stats.request_steps_without_models_free_chain += 1
+                else:
+                    self.stats.request_steps_without_models_no_chain += 1
             state.with_free = free_lens[i] > 0
             state.confidences = [[] for _ in worker.names]
             for j, d in enumerate(in_worker):

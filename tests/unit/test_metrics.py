@@ -14,6 +14,8 @@ def snapshot(steps, drafts, accepted, d0, d1):
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "requests_drafted": drafts + 1, "requests_without_draft": 1,
             "steps_without_models": steps // 2, "prefill_takebacks": 0,
+            "request_steps": 2 * steps, "request_steps_without_models_free_chain": steps // 3,
+            "request_steps_without_models_no_chain": steps // 4,
             "drafter_forwards": 3 * steps, "drafter_tokens": 5 * steps,
             "target_step_s": 0.2 * steps, "wait_s": 0.01 * steps, "proposer_s": 0.02 * steps,
             "drafting_s": 0.01 * steps,
@@ -29,6 +31,9 @@ def test_counters_are_subtracted_and_ratios_recomputed():
     assert delta["mean_acceptance_length"] == 2.0
     assert delta["target_step_s"] == 1.4 and delta["requests_drafted"] == 4
     assert delta["steps_without_models"] == 4
+    assert delta["request_steps"] == 14
+    assert (delta["request_steps_without_models_free_chain"],
+            delta["request_steps_without_models_no_chain"]) == (2, 2)
     assert (delta["drafter_forwards"], delta["drafter_tokens"]) == (21, 35)
     assert delta["drafting_s"] == 0.07
     assert delta["drafters"][0]["engine_steps"] == 14
