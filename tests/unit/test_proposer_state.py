@@ -223,6 +223,9 @@ def test_a_step_without_streaming_pauses_the_drafters_and_drafts_model_free_only
     assert proposer.worker.ahead == []  # nothing tracked: no model drafter works this step
     assert out == [[1, 1], []]  # the n-gram chain, cut to the plan's lookahead
     assert proposer.stats.steps_without_models == 1
+    stats = proposer.stats  # "a" had an n-gram chain, "b" none
+    assert (stats.request_steps, stats.request_steps_without_models_free_chain,
+            stats.request_steps_without_models_no_chain) == (2, 1, 1)
     # The next step's timing is filed under "no model drafting".
     step(proposer, ["a", "b"], [[5], [6]], [11, 13])
     assert proposer.controller.timings[-1].drafting is False
