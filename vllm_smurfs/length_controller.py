@@ -136,7 +136,8 @@ _OVERHEAD_SMOOTHING = 0.2
 
 
 class FixedLookahead:
-    """Every request drafts ``num_speculative_tokens`` (clipped) with every drafter, every step."""
+    """Every request drafts ``num_speculative_tokens`` (clipped to the context) with every drafter,
+    every step: vLLM's own methods' behaviour."""
 
     def __init__(self, num_speculative_tokens: int, num_worker_drafters: int = 0) -> None:
         if num_speculative_tokens < 1:
@@ -152,7 +153,9 @@ class FixedLookahead:
 
     def plan(self, requests: Sequence[PlanRequest], max_lookahead: int) -> Plan:
         top = min(self.num_speculative_tokens, max(0, max_lookahead))
-        ks = [min(top, r.cap) for r in requests]
+        # As vLLM's methods: k tokens whenever the context holds them, also in a request's last
+        # step (drafts past its max_tokens are verified and dropped).
+        ks = [min(top, r.room) for r in requests]
         rows = [[i for i, r in enumerate(requests)
                  if ks[i] > 0 and d < len(r.catch_up) and r.catch_up[d] is not None]
                 for d in range(self.num_worker_drafters)]

@@ -34,14 +34,18 @@ class PlanRequest:
     remaining: int | None = None  # output tokens it may still produce (max_tokens left)
 
     @property
+    def room(self) -> int:
+        """Most draft tokens the context holds: verification appends the accepted drafts and one
+        token more, so ``k`` drafts need ``num_tokens + k + 1 <= max_model_len``."""
+        return max(0, self.max_model_len - self.num_tokens - 1)
+
+    @property
     def cap(self) -> int:
-        """Most draft tokens worth proposing: verification appends the accepted drafts and one
-        token more, so ``k`` drafts need ``num_tokens + k + 1 <= max_model_len`` and at most
-        ``remaining - 1`` of them can be used."""
-        room = self.max_model_len - self.num_tokens - 1
-        if self.remaining is not None:
-            room = min(room, self.remaining - 1)
-        return max(0, room)
+        """Most draft tokens worth proposing: as many as the context holds, and at most
+        ``remaining - 1`` (the step's own token ends the request after that many)."""
+        if self.remaining is None:
+            return self.room
+        return max(0, min(self.room, self.remaining - 1))
 
 
 @dataclass

@@ -42,7 +42,8 @@ def default_config(family: TinyFamily, **extra) -> dict:
 @pytest.fixture(scope="session")
 def greedy_runs(family: TinyFamily):
     """Cached greedy runs by name: 'none'; in-worker drafters: 'smurfs' (fixed lookahead),
-    'smurfs-default' (the default config: adaptive, with the n-gram voter), 'smurfs-one' (one
+    'smurfs-default' (the default config: adaptive, with the n-gram voter), 'smurfs-adaptive'
+    (adaptive, at least one token ahead), 'smurfs-one' (one
     drafter, fixed lookahead: vLLM draft_model's setting); process drafters: 'smurfs-process'
     (pipelined, fixed lookahead), 'smurfs-process-sync' (synchronous), 'smurfs-process-adaptive'
     (pipelined, adaptive lookahead of at least 1); 'draft_model-<i>'."""
@@ -55,6 +56,10 @@ def greedy_runs(family: TinyFamily):
             spec = smurfs_config(family)
         elif name == "smurfs-default":
             spec = default_config(family)
+        elif name == "smurfs-adaptive":
+            # The adaptive controller at least one token ahead: the tiny drafts cost as much as
+            # the target, and it would rightly leave them out, leaving nothing to check.
+            spec = {**smurfs_config(family), "lookahead": {"policy": "adaptive", "min_tokens": 1}}
         elif name == "smurfs-one":
             spec = {**smurfs_config(family), "drafters": [{"model": family.drafts[0]}]}
         elif name == "smurfs-process":

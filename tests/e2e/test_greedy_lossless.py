@@ -7,7 +7,7 @@ from smurfs_tools.jobs import divergences
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("mode", ["smurfs", "smurfs-default", "smurfs-process",
+@pytest.mark.parametrize("mode", ["smurfs", "smurfs-adaptive", "smurfs-process",
                                   "smurfs-process-sync", "smurfs-process-adaptive"])
 def test_smurfs_greedy_identical_to_no_speculation(greedy_runs, mode):
     reference, smurfs = greedy_runs("none"), greedy_runs(mode)
@@ -15,8 +15,7 @@ def test_smurfs_greedy_identical_to_no_speculation(greedy_runs, mode):
     # The batch must really mix requests that stop early with ones that keep going.
     assert min(lengths) < max(lengths)
     assert smurfs.num_drafts > 0, "Smurfs proposed no draft at all: nothing was tested"
-    # The model drafters drafted (not the n-gram voter alone: in the default config it can
-    # meet num_drafts by itself), and where they run in the worker they ran forwards.
+    # The model drafters drafted, and where they run in the worker they ran forwards.
     stats = smurfs.smurfs_stats
     models = [d for d in stats["drafters"] if d["name"].startswith("draft-")]
     assert len(models) == 3 and sum(d["drafted_tokens"] for d in models) > 0, stats["drafters"]
@@ -27,6 +26,19 @@ def test_smurfs_greedy_identical_to_no_speculation(greedy_runs, mode):
     # Some drafted tokens were accepted and some rejected: the target's own token replaced a
     # rejected draft token (the correction path ran), and the output is still its own.
     assert smurfs.num_draft_tokens > smurfs.num_accepted_tokens > 0
+    assert divergences(reference.token_ids, smurfs.token_ids) == {}
+
+
+def test_the_default_config_is_lossless_whatever_the_controller_chooses(greedy_runs):
+    # What a user writes (three drafters, an n-gram voter, the adaptive controller). The tiny
+    # drafts cost as much as the target, so three of them never pay and the controller leaves
+    # them out after its experiments ('smurfs-adaptive' makes them draft on the same path); the
+    # n-gram voter's chains still reach the verifier.
+    reference, smurfs = greedy_runs("none"), greedy_runs("smurfs-default")
+    stats = smurfs.smurfs_stats
+    assert stats["controller"]["policy"] == "adaptive"
+    assert smurfs.num_drafts > 0 and smurfs.num_draft_tokens > 0, stats
+    assert stats["verified_drafts"] == smurfs.num_drafts
     assert divergences(reference.token_ids, smurfs.token_ids) == {}
 
 

@@ -337,9 +337,12 @@ def test_streaming_drafters_are_switched_off_when_they_do_not_pay_and_retried_la
 
 
 def test_fixed_lookahead_drafts_everything_with_every_drafter():
+    # As vLLM's methods: the context bounds the drafts, max_tokens does not ("s" has 2 tokens
+    # left, "u" room for 1 draft token in its context).
     f = FixedLookahead(4, 2)
     plan = f.plan([req(free_len=1), req("s", remaining=2),
-                   PlanRequest("t", 10, 4096, catch_up=(None, 5))], 3)
-    assert plan.lookaheads == [3, 1, 3]
-    assert plan.model_rows == [[0, 1], [2]]  # drafter 1 can draft only for "t"
+                   PlanRequest("t", 10, 4096, catch_up=(None, 5)),
+                   PlanRequest("u", 4094, 4096, catch_up=(0,))], 3)
+    assert plan.lookaheads == [3, 3, 3, 1]
+    assert plan.model_rows == [[0, 1, 3], [2]]  # drafter 1 can draft only for "t"
     assert plan.streaming
