@@ -181,16 +181,21 @@ def build_llama_drafter(target: str | os.PathLike[str], out: str | os.PathLike[s
     return str(out)
 
 
-def build_padded_target(target: str | os.PathLike[str], out: str | os.PathLike[str],
-                        vocab_size: int) -> str:
-    """The tiny ``target`` with its embedding and output layer padded to ``vocab_size`` rows
-    (zeros: like Qwen2.5-7B's 152,064 rows over Qwen2.5-0.5B's 151,936, one tokenizer)."""
+def build_padded_model(target: str | os.PathLike[str], out: str | os.PathLike[str],
+                       vocab_size: int, shifted_head: bool = False) -> str:
+    """The tiny ``target`` with its embedding and output layer padded to ``vocab_size`` rows, one
+    tokenizer (like Qwen2.5-7B's 152,064 rows over Qwen2.5-0.5B's 151,936). The new rows are
+    zeros: as a target it never picks them. ``shifted_head``: the output layer's real rows are
+    zeros and the target's rows sit past the tokenizer instead (at the id + the tokenizer's
+    size), so that as a drafter it prefers ids no tokenizer has: a drafter padded past its
+    target that drafts where the target has no row."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out)
     stamp = out / "smurfs-settings.json"
-    settings = dict(target=str(target), vocab_size=vocab_size, version=1)
+    settings = dict(target=str(target), vocab_size=vocab_size, shifted_head=shifted_head,
+                    version=1)
     if stamp.exists() and json.loads(stamp.read_text()) == settings:
         return str(out)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
@@ -200,7 +205,12 @@ def build_padded_target(target: str | os.PathLike[str], out: str | os.PathLike[s
     model.resize_token_embeddings(vocab_size, mean_resizing=False)
     with torch.no_grad():
         model.get_input_embeddings().weight[rows:].zero_()
-        model.get_output_embeddings().weight[rows:].zero_()
+        head = model.get_output_embeddings().weight
+        head[rows:].zero_()
+        if shifted_head:
+            moved = min(rows, vocab_size - rows)
+            head[rows:rows + moved] = head[:moved].clone()
+            head[:rows].zero_()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(target).save_pretrained(out)
