@@ -119,8 +119,8 @@ def _check_architecture(index: int, drafter: ModelDrafterConfig, hf_config: Any)
     recurrent = info is not None and (info.is_hybrid or info.has_inner_state
                                       or info.is_attention_free)
     if other_layers or recurrent:
-        what = (f"layers of kind {other_layers}" if other_layers
-                else "a recurrent state (Mamba-like layers) instead of attention alone")
+        what = ("a recurrent state (Mamba-like layers) beside or instead of attention"
+                if recurrent else f"layers of kind {other_layers}")
         raise ValueError(
             f"{key}: drafter '{drafter.display_name}' ({archs[0]}) has {what}: vLLM frees or "
             "overwrites such a cache while a request runs, and an in-worker drafter catches up "

@@ -86,7 +86,7 @@ def _speculative_config(spec: ModelDrafterConfig, vllm_config: VllmConfig,
                         num_speculative_tokens: int) -> SpeculativeConfig:
     """vLLM's own ``draft_model`` configuration for this drafter (validates the model)."""
     target_parallel = vllm_config.parallel_config
-    config = SpeculativeConfig(
+    settings: dict[str, Any] = dict(
         method="draft_model",
         model=spec.model,
         num_speculative_tokens=num_speculative_tokens,
@@ -95,6 +95,16 @@ def _speculative_config(spec: ModelDrafterConfig, vllm_config: VllmConfig,
         target_model_config=vllm_config.model_config,
         target_parallel_config=target_parallel,
     )
+    try:
+        config = SpeculativeConfig(**settings)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        if "same vocabulary size" not in str(exc):
+            raise
+        # One tokenizer, embeddings padded to other sizes (the tokenizers were compared at
+        # start-up: SmurfsConfig.check_against_target). vLLM's draft_model refuses such a pair
+        # unless told the vocabularies differ; its id mapping (unused here) is then the
+        # identity, and drafts stay below both sizes (`vocab_limit`).
+        config = SpeculativeConfig(**settings, use_heterogeneous_vocab=True)
     if spec.dtype != "auto":
         draft = copy.copy(config.draft_model_config)
         draft.dtype = _torch_dtype(spec.dtype)
