@@ -30,10 +30,12 @@ from smurfs_tools.tiny_models import (
     build_padded_model,
 )
 
+from conftest import MAX_TOKENS
+from step_probe import group_steps, run_probe
+
 pytestmark = pytest.mark.e2e
 
 WINDOW = 32  # tokens: far below the prompts, so blocks leave the window while requests run
-BLOCK_BYTES = 4 * 32 * 512  # a block of 32 tokens in the 4 float32 layers of target + drafter
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +141,20 @@ def test_a_target_padded_past_its_drafters_runs_losslessly(family, kinds):
     assert smurfs.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("placement", ["worker", "process"])
 def test_a_drafter_padded_past_the_target_drafts_only_ids_the_target_has(family, kinds,
-                                                                        greedy_runs,
-                                                                        placement):
+                                                                        greedy_runs):
     # The drafter prefers ids 600 to 639, which its tokenizer (the target's) does not have and
-    # the target has no row for: its drafts must stop before them, not reach the verifier.
-    smurfs = run(one_drafter(kinds["padded-drafter"], placement=placement),
-                 target=family.target, prompts=list(TINY_PROMPTS),
-                 max_tokens=[8, 64, 16, 64, 3, 48, 64, 32])
-    assert divergences(greedy_runs("none").token_ids, smurfs.token_ids) == {}
+    # the target has no row for: what reaches vLLM's verifier must stop before them. (On CPU
+    # vLLM's rejection sampler reads such an id's probability out of bounds without failing;
+    # on a GPU it is an out-of-bounds access.) In the worker it drafts its best ids below the
+    # target's size instead.
+    result = run_probe(family.target, one_drafter(kinds["padded-drafter"]), rounds=1,
+                       prompts=list(TINY_PROMPTS), max_tokens=MAX_TOKENS, max_model_len=512,
+                       engine_args={})
+    assert divergences(greedy_runs("none").token_ids, result["rounds"][0]["token_ids"]) == {}
+    proposes = [s["propose"] for s in group_steps(result) if s["propose"] is not None]
+    assert sum(p["draft_tokens"] for p in proposes) > 0
+    assert max(p["max_draft_id"] for p in proposes) < 600
 
 
 def engine_config(target: str, spec: dict) -> None:

@@ -5,28 +5,23 @@ no scheduled tokens (the step that carries the last finished requests before the
 idle) and in every step with a request within num_speculative_tokens of ``max_model_len``.
 Finished, preempted and resumed requests announced only in such steps left per-request state
 behind, and drafts verified in them were scored against a later step. The runs here record, step
-by step, what the runner saw and what reached the proposer (`lifecycle_probe.py`), on the real
+by step, what the runner saw and what reached the proposer (`step_probe.py`), on the real
 vLLM CPU engine in float32.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from typing import Any
 
 import pytest
+from step_probe import group_steps, run_probe
 
 from smurfs_tools.jobs import Job, divergences, run_job
 from smurfs_tools.tiny_models import TINY_PROMPTS
 
 pytestmark = pytest.mark.e2e
 
-PROBE = os.path.join(os.path.dirname(__file__), "lifecycle_probe.py")
 # Requests that all run into max_model_len (192 tokens), 6 at a time in a KV pool of 16 blocks of
 # 32 tokens (a request needs up to 6): preemptions throughout, and steps without propose near the
 # end of each request.
@@ -44,37 +39,6 @@ def default_config(drafter: str, placement: str = "worker", **extra: Any) -> dic
             **extra}
 
 
-def probe(target: str, spec: dict, rounds: int, **job: Any) -> dict:
-    job = {"target": target, "speculative_config": spec, "rounds": rounds, **job}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    if "kv_cache_memory_bytes" in job["engine_args"]:
-        del env["VLLM_CPU_KVCACHE_SPACE"]  # it would override kv_cache_memory_bytes
-    with tempfile.TemporaryDirectory(prefix="smurfs-probe-") as tmp:
-        job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
-        with open(job_path, "w") as f:
-            json.dump(job, f)
-        proc = subprocess.run([sys.executable, PROBE, job_path, result_path], env=env,
-                              capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            raise RuntimeError(f"probe failed (exit {proc.returncode}):\n{proc.stderr[-8000:]}")
-        with open(result_path) as f:
-            return json.load(f)
-
-
-def steps(result: dict) -> list[dict]:
-    """The recorded events grouped by step: its execute_model call, the propose call after it
-    (None when vLLM skipped it), and the ids the proposer forgot in it."""
-    out: list[dict] = []
-    for event in result["events"]:
-        if event["kind"] == "exec":
-            out.append({"exec": event, "propose": None, "forgot": set()})
-        elif event["kind"] == "propose":
-            out[-1]["propose"] = event
-        else:
-            out[-1]["forgot"].update(event["ids"])
-    return out
-
-
 def skipped(step: dict) -> bool:
     return step["exec"]["tokens"] > 0 and step["propose"] is None
 
@@ -84,15 +48,16 @@ def runs(family):
     @functools.cache
     def get(name: str) -> dict:
         if name == "tight":
-            result = probe(family.target, default_config(family.drafts[0]), rounds=2, **TIGHT)
+            result = run_probe(family.target, default_config(family.drafts[0]), rounds=2,
+                               **TIGHT)
         elif name == "tight-fixed":  # drafts every step: some always await their verification
-            result = probe(family.target, default_config(
+            result = run_probe(family.target, default_config(
                 family.drafts[0], lookahead={"policy": "fixed"}), rounds=1, **TIGHT)
         else:  # a process drafter: its client mirrors each request's path
-            result = probe(family.target, default_config(family.drafts[0], "process"),
-                           rounds=2, prompts=list(TINY_PROMPTS), max_tokens=[24] * 8,
-                           max_model_len=512, engine_args={})
-        grouped = steps(result)
+            result = run_probe(family.target, default_config(family.drafts[0], "process"),
+                               rounds=2, prompts=list(TINY_PROMPTS), max_tokens=[24] * 8,
+                               max_model_len=512, engine_args={})
+        grouped = group_steps(result)
         print(f"\n[{name}] steps={len(grouped)} skipped={sum(map(skipped, grouped))} "
               f"preemptions={result['preemptions']} "
               f"live={[r['live_state'] for r in result['rounds']]}")
@@ -110,7 +75,7 @@ def test_generate_twice_leaves_no_request_state_anywhere(runs, name):
 
 
 def test_a_preemption_on_a_skipped_step_reaches_the_proposer_in_that_step(runs):
-    grouped = steps(runs("tight"))
+    grouped = group_steps(runs("tight"))
     landed = [s for s in grouped if skipped(s) and (s["exec"]["preempted"]
                                                      or s["exec"]["resumed"])]
     assert landed, "no preemption or resume landed on a step without propose"
@@ -128,7 +93,7 @@ def test_requests_ending_at_max_model_len_stay_lossless_and_drafts_are_scored_in
         assert divergences(reference.token_ids, round_["token_ids"]) == {}
         assert all(len(t) + n == TIGHT["max_model_len"]
                    for t, n in zip(round_["token_ids"], round_["prompt_lens"]))
-    grouped = steps(result)
+    grouped = group_steps(result)
     after_skip = [b["propose"]["state"] for a, b in zip(grouped, grouped[1:])
                   if skipped(a) and b["propose"] is not None]
     assert after_skip, "no step without propose was followed by one with it"
