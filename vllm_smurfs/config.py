@@ -329,7 +329,9 @@ class SmurfsConfig(_Strict):
         does: the tokenizers are compared (every token and special token with its id; a
         fingerprint), not the embedding sizes, which checkpoints pad differently for one
         tokenizer (Qwen2.5-0.5B has 151,936 rows, Qwen2.5-7B 152,064). Drafts use only ids
-        below both sizes (the in-worker drafter and the propose patch see to it).
+        below both sizes (the in-worker drafter and the propose patch see to it). A drafter
+        without a tokenizer of its own is read with the target's (as vLLM does): its embedding
+        size must then be ``target_vocab_size``.
         ``target_tokenizer``: the target's tokenizer when it is not ``target_model``'s own.
         """
         target_vocab: TokenizerVocabulary | None = None
@@ -349,13 +351,18 @@ class SmurfsConfig(_Strict):
                         f"'{target_tokenizer or target_model}' to compare it with the drafters'.")
             draft_vocab = TokenizerVocabulary.load(drafter.model, trust_remote_code)
             if draft_vocab is None:
+                # No tokenizer of its own (vLLM reads a draft model with the target's): its
+                # embedding size is the only evidence left, and it must match.
                 rows = _vocab_size(drafter.model, trust_remote_code, key)
-                raise ValueError(
-                    f"{key}: drafter '{drafter.model}' has no tokenizer to compare with the "
-                    f"target '{target_model}' (its config gives {rows} vocabulary rows, the "
-                    f"target's {target_vocab_size}); every Smurfs drafter must share the "
-                    "target's tokenizer: if it does, copy the target's tokenizer files into "
-                    "the drafter's folder.")
+                if target_vocab_size is not None and rows != target_vocab_size:
+                    raise ValueError(
+                        f"{key}: drafter '{drafter.model}' has no tokenizer to compare with the "
+                        f"target '{target_model}', and its config gives {rows} vocabulary rows "
+                        f"where the target has {target_vocab_size}; every Smurfs drafter must "
+                        "share the target's tokenizer: if it does (embeddings padded "
+                        "differently), copy the target's tokenizer files into the drafter's "
+                        "folder, so that the tokenizers are compared instead.")
+                continue
             if draft_vocab.fingerprint != target_vocab.fingerprint:
                 raise ValueError(
                     f"{key}: drafter '{drafter.model}' has another tokenizer than the target "

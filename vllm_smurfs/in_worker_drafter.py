@@ -17,8 +17,17 @@ can sit out steps (when the model-free voters already have a draft worth taking,
 does not pay) at no cost but a longer catch-up later, and the stopping rule can end each
 request's draft at any position, from the drafter's confidence.
 
+A lazy catch-up writes old positions, so the drafter's KV cache must live as long as the
+request: local-attention layers (sliding window, chunked) keep a full-attention cache
+(`in_worker_kv`; vLLM's sliding-window manager would free those blocks and hand them to other
+requests while the runner's block table still names them), and kinds no such cache can stand for
+are refused. Like vLLM's own drafter, a draft costs no host sync per forward (`draft`).
+
 Lossless by construction: drafts are only proposals, which the target's rejection sampler
-verifies; a drafter's KV cache is its own (the target's is never written here).
+verifies, and only ids the target has a row for; a drafter's KV cache is its own (the target's
+is never written here). A failing drafter costs speculation only, except for a fatal device
+error (a CUDA device-side assert, an illegal memory access), after which nothing on the device
+can run: it stops the engine with a message naming the drafter.
 """
 
 from __future__ import annotations

@@ -54,11 +54,13 @@ def test_another_tokenizer_of_the_same_size_is_refused_naming_both_models(folder
     assert "with another id, e.g." in message
 
 
-def test_a_drafter_without_a_tokenizer_is_refused_with_what_to_do(folders):
+def test_a_drafter_without_a_tokenizer_needs_the_targets_embedding_size(folders, tmp_path):
+    # Read with the target's tokenizer (as vLLM reads a draft model): the size is all there is.
+    config(folders["bare"]).check_against_target(folders["drafter"], 600)
     with pytest.raises(ValueError, match=r"drafter '.*bare-600' has no tokenizer to compare "
-                                         r"with the target '.*target-640'.*600 vocabulary "
-                                         r"rows, the target's 640.*copy the target's "
-                                         r"tokenizer files"):
+                                         r"with the target '.*target-640', and its config gives "
+                                         r"600 vocabulary rows where the target has 640.*copy "
+                                         r"the target's tokenizer files"):
         config(folders["bare"]).check_against_target(folders["target"], 640)
 
 
