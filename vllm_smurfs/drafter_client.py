@@ -223,11 +223,16 @@ class ModelDrafterClient:
             return
         # From here on nothing waits on the drafter: see channel.Channel.
         self._channel = Channel(conn, MAX_PENDING_BYTES)
-        self._stop_on_pause = stops_when_paused(message.info, target_cores())
-        self.health.extra.update(message.info)
-        self._last_heard = time.monotonic()
+        self._took_ready(message.info)
         logger.info("Smurfs drafter %s ready: pid %s, cpus %s, %.1f s", self.name,
                     message.info["pid"], message.info["cpus"], message.info["load_s"])
+
+    def _took_ready(self, info: dict[str, Any]) -> None:
+        """The drafter's engine is up (``info``: its `Ready` info): its figures, and whether a
+        pause stops its process."""
+        self._stop_on_pause = stops_when_paused(info, target_cores())
+        self.health.extra.update(info)
+        self._last_heard = time.monotonic()
 
     def close(self) -> None:
         """Shut the drafter down: its process, the socket, the listener, the socket's folder."""

@@ -41,8 +41,6 @@ from vllm_smurfs.drafter_client import (
     _INHERITED_ENV_TO_DROP,
     MAX_MESSAGES_IN_FLIGHT,
     ModelDrafterClient,
-    stops_when_paused,
-    target_cores,
 )
 from vllm_smurfs.drafter_protocol import Ready, Shutdown, StartFailed
 from vllm_smurfs.ray_cluster import (  # noqa: F401 - connect and disconnect used to live here
@@ -373,9 +371,7 @@ class RayDrafterClient(ModelDrafterClient):
         self._channel = RayChannel(self._ray, self._actor)  # type: ignore[assignment]
         info = answer.info
         self._pid = info["pid"] if info["node_id"] == self._engine_spec["client_node_id"] else None
-        self._stop_on_pause = stops_when_paused(info, target_cores())
-        self.health.extra.update(info, placement="ray", replacements=self.replacements)
-        self._last_heard = time.monotonic()
+        self._took_ready({**info, "placement": "ray", "replacements": self.replacements})
         self._was_ready = True
         logger.info("Smurfs drafter %s ready as a Ray actor: node %s, pid %s, cpus %s, %.1f s%s",
                     self.name, info["node_ip"], info["pid"], info["cpus"], info["load_s"],
