@@ -287,8 +287,8 @@ def serve(conn: Any, drafter: PathDrafter, fault: _Fault) -> None:
 class _Fault:
     """Fault injection for the fault tests: ``SMURFS_DRAFTER_FAULT=NAME=exit_after:N`` makes the
     drafter NAME die before its N+1-th engine step; ``NAME=hang_after:N`` makes it stop answering;
-    ``NAME=kill_node_after:N`` (a Ray actor) kills the raylet that started it, and with it the
-    Ray node it runs on, then goes on until the node's end takes it.
+    ``NAME=kill_node_after:N`` (a Ray actor) ends its Ray node as a machine that goes away
+    would: the raylet that started it and itself, SIGKILL.
     """
 
     def __init__(self, spec: str, name: str) -> None:
@@ -307,7 +307,7 @@ class _Fault:
                 time.sleep(3600)
             if self.kind == "kill_node_after":
                 _kill_raylet()
-                self.remaining = -1
+                os.kill(os.getpid(), 9)
         self.steps += 1
 
 

@@ -373,8 +373,10 @@ class RayDrafterClient(ModelDrafterClient):
         self._pid = info["pid"] if info["node_id"] == self._engine_spec["client_node_id"] else None
         self._took_ready({**info, "placement": "ray", "replacements": self.replacements})
         self._was_ready = True
-        logger.info("Smurfs drafter %s ready as a Ray actor: node %s, pid %s, cpus %s, %.1f s%s",
-                    self.name, info["node_ip"], info["pid"], info["cpus"], info["load_s"],
+        logger.info("Smurfs drafter %s ready as a Ray actor: node %s (%s, %s), pid %s, cpus %s, "
+                    "%.1f s%s", self.name, info["node_ip"], info["node_id"][:12],
+                    "the target's node" if self._pid is not None else "another node",
+                    info["pid"], info["cpus"], info["load_s"],
                     f" (replacement {self.replacements})" if self.replacements else "")
 
     def poll(self, timeout: float = 0.0) -> bool:
@@ -396,12 +398,18 @@ class RayDrafterClient(ModelDrafterClient):
     def close(self) -> None:
         self._thaw()
         actor, self._actor = self._actor, None
+        running = self._channel is not None
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        self._starting = self._placed = None
         if actor is not None and self._ray is not None:
+            if running:  # its engine shuts down cleanly; an actor not placed is only killed
+                try:
+                    self._ray.get(actor.stop.remote(), timeout=15)
+                except Exception:  # noqa: BLE001 - gone already
+                    pass
             try:
-                self._ray.get(actor.stop.remote(), timeout=15)
                 self._ray.kill(actor)
             except Exception:  # noqa: BLE001 - gone already (or Ray shut down at exit first)
                 pass

