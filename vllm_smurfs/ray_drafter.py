@@ -349,7 +349,7 @@ class RayDrafterClient(ModelDrafterClient):
 
     def _report_unplaced(self, problem: str | None, waited_s: float) -> None:
         if problem is None:
-            problem = (f"none placed it within {waited_s:.0f} s (the nodes that have them are "
+            problem = (f"none placed it within {waited_s:g} s (the nodes that have them are "
                        "busy, or its scheduling strategy rules them out)")
         self._unplaced_reported = True
         reason = f"its Ray actor is not placed: it asks for {self._asks}; {problem}"

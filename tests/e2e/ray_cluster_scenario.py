@@ -109,6 +109,8 @@ def main() -> None:
         if scenario["auth"] != "no-cluster":
             out["cluster_after"] = cluster_state(scenario["port"], env)
         out["gcs_servers_after"] = len(processes("gcs_server"))
+        out["raylets_after"] = sum(os.path.basename(line.split()[1]) == "raylet"
+                                   for line in processes("raylet"))
         out["token_after"] = _read(os.path.join(home, ".ray", "auth_token"))
         out["home_after"] = sorted(os.path.relpath(os.path.join(d, n), home)
                                    for d, _, names in os.walk(home) for n in names)

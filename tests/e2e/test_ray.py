@@ -90,6 +90,24 @@ def test_a_ray_drafter_beside_an_in_worker_drafter_is_lossless(family, greedy_ru
     assert stats["draft-0"]["drafted_tokens"] > 0
 
 
+def test_an_actor_no_node_can_place_is_reported_and_speculation_goes_on(family, greedy_runs,
+                                                                         tmp_path):
+    """The drafter asks for a resource no node of the cluster has: reported at once, naming what
+    it asks for; the engine starts without waiting for it (not draft_timeout_s, not the 600 s an
+    engine start may take), and the in-worker drafter drafts alone."""
+    spec = ray_config(family, draft_timeout_s=60.0)
+    spec["drafters"][1]["ray_options"] = {"resources": {"no_such_node": 1}}
+    result, log = run(family, spec, MAX_TOKENS, tmp_path / "home")
+    assert divergences(greedy_runs("none").token_ids, result.token_ids) == {}
+    assert ("Smurfs drafter ray-draft: its Ray actor is not placed: it asks for "
+            "{'no_such_node': 1.0}; no alive node of the cluster has them (nodes: 127.0.0.1: "
+            "{'no_such_node': 0.0}). Speculation goes on without it") in log
+    assert result.startup_s < 60.0  # it did not wait draft_timeout_s for the actor
+    stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}
+    assert not stats["ray-draft"]["alive"] and stats["ray-draft"]["drafted_tokens"] == 0
+    assert stats["draft-0"]["drafted_tokens"] > 0 and result.num_accepted_tokens > 0
+
+
 def _ray_draft_timeline(log: str) -> list[tuple[str, int]]:
     """In log order: ("ready", 0) and ("ready", n) for the first actor and replacement n,
     ("lost", 0) for a loss, ("drafted", tokens drafted so far) for each stats line."""

@@ -32,13 +32,10 @@ pytestmark = pytest.mark.e2e
 SCENARIO = Path(__file__).with_name("ray_cluster_scenario.py")
 PORT = 6390
 REAL_TOKEN = Path.home() / ".ray" / "auth_token"
-# The worker node's drafter: killed with its node after this many engine steps of its own,
-# while the first eight requests run together; eight more arrive one by one afterwards, so that
-# the run goes on well past draft_timeout_s (its replacement is reported by then).
+# The worker node's drafter: killed with its node after this many engine steps of its own, early
+# in a run that goes on past draft_timeout_s after it (its replacement is reported by then).
 KILL_AFTER_STEPS = 60
-KILL_MAX_TOKENS = 200
-KILL_PROMPTS = list(TINY_PROMPTS) * 2
-KILL_ARRIVALS = {len(TINY_PROMPTS) + i: 100 + 60 * i for i in range(len(TINY_PROMPTS))}
+KILL_MAX_TOKENS = 400
 
 
 def _unshare() -> list[str]:
@@ -117,7 +114,8 @@ def test_a_job_naming_the_cluster_by_ray_address_alone_drafts_on_it(family, gree
     assert "started a local Ray cluster" not in out["log"]  # no cluster of its own
     # The user's cluster is up after the job, and nothing of the job's is left on it.
     assert out["cluster_after"] == {"answers": True, "alive_nodes": 1}
-    assert out["gcs_servers_after"] == 1 and out["drafter_processes_after"] == []
+    assert out["gcs_servers_after"] == out["raylets_after"] == 1
+    assert out["drafter_processes_after"] == []
     # Ray's folder in the home folder holds the user's token, unchanged, and nothing else.
     assert out["token_after"] == out["token_before"] is not None
     assert ray_files(out) == [".ray/auth_token"]
@@ -128,12 +126,12 @@ def test_a_drafter_on_a_worker_node_that_dies_mid_run_costs_speculation_only(fam
     drafter is placed there by ray_options, drafts, and the node is killed mid-run (its raylet
     and the drafter's process, SIGKILL, as when a machine goes away, after the drafter's 60th
     engine step). The user has no token: a fresh home folder."""
-    reference = run_job(Job(target=family.target, prompts=KILL_PROMPTS,
-                            max_tokens=KILL_MAX_TOKENS, arrive_at=KILL_ARRIVALS))
+    reference = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS),
+                            max_tokens=KILL_MAX_TOKENS))
     spec = {**ray_spec(family, ray_options={"resources": {"drafter_node": 1}}),
             "draft_timeout_s": 3.0}
-    job = Job(target=family.target, prompts=KILL_PROMPTS, speculative_config=spec,
-              max_tokens=KILL_MAX_TOKENS, arrive_at=KILL_ARRIVALS)
+    job = Job(target=family.target, prompts=list(TINY_PROMPTS), speculative_config=spec,
+              max_tokens=KILL_MAX_TOKENS)
     out = run_scenario(tmp_path, job, "none", worker_resources={"drafter_node": 1},
                        job_env={"SMURFS_DRAFTER_FAULT": f"ray-draft=kill_node_after:"
                                                         f"{KILL_AFTER_STEPS}"})
@@ -151,10 +149,11 @@ def test_a_drafter_on_a_worker_node_that_dies_mid_run_costs_speculation_only(fam
     assert "Smurfs drafter ray-draft (Ray actor on node 127.0.0.1) is lost" in log
     assert ("Smurfs drafter ray-draft: its Ray actor is not placed: it asks for "
             "{'drafter_node': 1.0}") in log  # the replacement, reported
-    # The in-worker drafter kept drafting; the user's head is up, the worker node is gone.
+    # The in-worker drafter kept drafting; the user's head is up, the worker node's raylet is
+    # gone (the cluster marks the node dead once its health checks fail, seconds later).
     assert {d["name"]: d for d in out["result"]["smurfs_stats"]["drafters"]}["draft-0"][
         "drafted_tokens"] > 0
-    assert out["cluster_after"] == {"answers": True, "alive_nodes": 1}
+    assert out["cluster_after"]["answers"] and out["raylets_after"] == 1
     assert out["token_after"] is None and ray_files(out) == []
 
 

@@ -51,7 +51,9 @@ def test_the_stream_yields_the_servers_messages_in_order_as_they_come():
 
 
 # -- the actor's options and its placement ------------------------------------------------------
+import sys  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -151,8 +153,20 @@ class FakeRay:
 HEAD = {"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 2.0}}
 
 
+def _platform(monkeypatch, ray_device_key: str, device_type: str) -> None:
+    """vLLM's platform as the client reads it (`vllm.platforms.current_platform`), mocked."""
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(ray_device_key=ray_device_key,
+                                                 device_type=device_type)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+
+
 def _client(ray, monkeypatch, ray_options, hang_timeout_s=30.0):
+    if "vllm.platforms" not in sys.modules or not isinstance(
+            getattr(sys.modules["vllm.platforms"], "current_platform", None), SimpleNamespace):
+        _platform(monkeypatch, "", "cpu")  # vLLM-CPU's
     monkeypatch.setattr("vllm_smurfs.ray_drafter.connect", lambda cpus, address: ray)
+    monkeypatch.setattr("vllm_smurfs.drafter_client.target_cores", lambda: None)
     client = RayDrafterClient(
         ModelDrafterConfig(model="/m", name="ssm", placement="ray", ray_options=ray_options),
         "float32", 64, 4, False, hang_timeout_s=hang_timeout_s, cpus=[0])
@@ -161,10 +175,7 @@ def _client(ray, monkeypatch, ray_options, hang_timeout_s=30.0):
 
 
 def test_a_gpu_target_gives_the_actor_a_gpu_share(monkeypatch):
-    import vllm.platforms
-
-    platform = SimpleNamespace(ray_device_key="GPU", device_type="cuda")
-    monkeypatch.setattr(vllm.platforms, "_current_platform", platform)
+    _platform(monkeypatch, "GPU", "cuda")  # a CUDA build's (vllm.platforms.cuda)
     ray = FakeRay([HEAD])
     _client(ray, monkeypatch, None)
     assert ray.options["num_gpus"] == 0.1  # gpu_memory_utilization's default
@@ -194,5 +205,21 @@ def test_an_actor_the_busy_cluster_does_not_place_is_reported_after_draft_timeou
     client.wait_ready(600)
     assert ray.waits[0] == 0.3  # the placement waited draft_timeout_s, not 600 s
     assert not client.alive
-    assert "asks for {'drafter_node': 1.0}; none placed it within 0 s" in (
+    assert "asks for {'drafter_node': 1.0}; none placed it within 0.3 s" in (
         client.health.last_error)
+
+
+def test_a_replacement_the_cluster_does_not_place_is_reported_after_draft_timeout(monkeypatch):
+    ray = FakeRay([{**HEAD, "Resources": {"CPU": 2.0, "drafter_node": 1.0}}], placed=True)
+    client = _client(ray, monkeypatch, {"resources": {"drafter_node": 1}}, hang_timeout_s=0.3)
+    client.wait_ready(600)
+    assert client.alive
+    ray.placed = False  # its node goes away: the replacement finds no room
+    client._fail("connection lost")
+    assert client.replacements == 1 and not client.alive
+    client.poll()
+    assert client.health.last_error == "connection lost"  # not reported yet: just launched
+    time.sleep(0.35)
+    client.poll()
+    assert "its Ray actor is not placed: it asks for {'drafter_node': 1.0}; none placed it " \
+           "within 0.3 s" in client.health.last_error
