@@ -29,6 +29,7 @@ from typing import Any
 from smurfs_tools.jobs import Job, Result
 
 BIN = os.path.dirname(sys.executable)
+PHASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_fault_job.py")
 
 
 def sh(*command: str, env: dict[str, str] | None = None, check: bool = True,
@@ -62,17 +63,30 @@ def start_cluster(scenario: dict[str, Any], env: dict[str, str]) -> None:
 
 def run_job(job: Job, env: dict[str, str], timeout_s: float) -> tuple[Result | None, str, str]:
     """The job in its own process, as `smurfs_tools.jobs.run_job` runs it, keeping its log."""
+    result, error, log = run_child(["-m", "smurfs_tools.jobs"], asdict(job), env, timeout_s)
+    return (Result(**result) if result is not None else None), error, log
+
+
+def run_phases(job: dict[str, Any], env: dict[str, str], timeout_s: float
+               ) -> tuple[dict[str, Any] | None, str, str]:
+    """A two-phase job (`ray_fault_job.py`) in its own process: its output and its log."""
+    return run_child([PHASES], job, env, timeout_s)
+
+
+def run_child(command: list[str], job: dict[str, Any], env: dict[str, str], timeout_s: float
+              ) -> tuple[dict[str, Any] | None, str, str]:
+    """``python COMMAND JOB.json OUT.json``: (OUT, error, its stdout and stderr)."""
     with tempfile.TemporaryDirectory(prefix="smurfs-job-") as tmp:
         job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
         with open(job_path, "w") as f:
-            json.dump(asdict(job), f)
-        proc = subprocess.run([sys.executable, "-m", "smurfs_tools.jobs", job_path, result_path],
+            json.dump(job, f)
+        proc = subprocess.run([sys.executable, *command, job_path, result_path],
                               env=env, capture_output=True, text=True, timeout=timeout_s)
         log = proc.stdout + proc.stderr
         if proc.returncode != 0 or not os.path.exists(result_path):
             return None, f"exit {proc.returncode}", log
         with open(result_path) as f:
-            return Result(**json.load(f)), "", log
+            return json.load(f), "", log
 
 
 def cluster_state(port: int, env: dict[str, str]) -> dict[str, Any]:
@@ -101,9 +115,13 @@ def main() -> None:
         job_env = {**env, "RAY_ADDRESS": f"127.0.0.1:{scenario['port']}",
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **scenario.get("job_env", {})}
         started = time.monotonic()
-        result, error, log = run_job(Job(**scenario["job"]), job_env, scenario["timeout_s"])
-        out.update(result=asdict(result) if result else None, error=error, log=log,
-                   job_s=time.monotonic() - started)
+        if scenario.get("phases"):
+            result, error, log = run_phases(scenario["job"], job_env, scenario["timeout_s"])
+        else:
+            job_result, error, log = run_job(Job(**scenario["job"]), job_env,
+                                             scenario["timeout_s"])
+            result = asdict(job_result) if job_result else None
+        out.update(result=result, error=error, log=log, job_s=time.monotonic() - started)
         time.sleep(2)  # a moment for the cluster to end the job's actors
         out["drafter_processes_after"] = processes("RayDrafterActor")
         if scenario["auth"] != "no-cluster":

@@ -24,18 +24,16 @@ from smurfs_tools.tiny_models import TINY_PROMPTS
 
 from conftest import LOOKAHEAD, MAX_TOKENS
 from ray_cluster_scenario import run_job as run_job_with_log
+from ray_cluster_scenario import run_phases
 
 pytest.importorskip("ray", reason="the 'ray' extra is not installed")
 pytestmark = pytest.mark.e2e
 
-# The fault run: long enough for a replacement's engine to start (seconds, with the target's
-# threads on every core) and draft: requests one at a time.
 FAULT_MAX_TOKENS = 200
 # Engine steps the first actor runs before it dies: early in the run, past the warm-up request.
 FAULT_AFTER_STEPS = 40
 RAY_PROCESSES = ("gcs_server", "raylet")
 REAL_TOKEN = Path.home() / ".ray" / "auth_token"
-STATS_LINE = "Smurfs drafters: "
 
 
 def ray_processes() -> list[str]:
@@ -59,8 +57,7 @@ def _token_file_state() -> tuple[bool, float | None]:
     return REAL_TOKEN.exists(), REAL_TOKEN.stat().st_mtime if REAL_TOKEN.exists() else None
 
 
-def run(family, spec, max_tokens, home: Path, env=None, one_at_a_time=False
-        ) -> tuple[Result, str]:
+def run(family, spec, max_tokens, home: Path, env=None) -> tuple[Result, str]:
     """The job (RAY_ADDRESS unset, ``home`` as its home folder) and its log; nothing of Ray's
     may be left running, nor in either home folder."""
     home.mkdir(exist_ok=True)
@@ -69,7 +66,7 @@ def run(family, spec, max_tokens, home: Path, env=None, one_at_a_time=False
     job_env.update(HOME=str(home), VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
     result, error, log = run_job_with_log(
         Job(target=family.target, prompts=list(TINY_PROMPTS), speculative_config=spec,
-            max_tokens=max_tokens, one_at_a_time=one_at_a_time), job_env, timeout_s=900)
+            max_tokens=max_tokens), job_env, timeout_s=900)
     assert result is not None, f"job failed ({error}):\n{log[-8000:]}"
     print(f"\nelapsed {result.elapsed_s:.2f} s, {result.smurfs_stats}")
     assert ray_processes() == before, "the run left Ray processes behind"
@@ -108,53 +105,53 @@ def test_an_actor_no_node_can_place_is_reported_and_speculation_goes_on(family, 
     assert stats["draft-0"]["drafted_tokens"] > 0 and result.num_accepted_tokens > 0
 
 
-def _ray_draft_timeline(log: str) -> list[tuple[str, int]]:
-    """In log order: ("ready", 0) and ("ready", n) for the first actor and replacement n,
-    ("lost", 0) for a loss, ("drafted", tokens drafted so far) for each stats line."""
-    events: list[tuple[str, int]] = []
-    for line in log.splitlines():
-        if "Smurfs drafter ray-draft ready as a Ray actor" in line:
-            events.append(("ready", int(line.rsplit("(replacement ", 1)[1].rstrip(")"))
-                           if "(replacement " in line else 0))
-        elif "Smurfs drafter ray-draft (Ray actor on node" in line and " is lost" in line:
-            events.append(("lost", 0))
-        elif STATS_LINE in line:
-            stats = json.loads(line.split(STATS_LINE, 1)[1])
-            drafter = {d["name"]: d for d in stats["drafters"]}["ray-draft"]
-            events.append(("drafted", drafter["drafted_tokens"]))
-    return events
-
-
 def test_a_ray_actor_killed_mid_run_costs_speculation_only(family, tmp_path):
+    """The Ray drafter's actor dies (os._exit) after its 40th engine step, in phase 1 of a
+    two-phase job (`ray_fault_job.py`: the engine keeps stepping between the phases until the
+    replacement is up, which takes an engine start). Every output of both phases equals the run
+    without speculation; the first actor drafted before it died, and its replacement rejoined
+    and drafted again in phase 2."""
     reference = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS),
-                            max_tokens=FAULT_MAX_TOKENS, one_at_a_time=True))
-    result, log = run(family, ray_config(family, log_stats_interval_s=0.2), FAULT_MAX_TOKENS,
-                      tmp_path / "home", one_at_a_time=True,
-                      env={"SMURFS_DRAFTER_FAULT": f"ray-draft=exit_after:{FAULT_AFTER_STEPS}"})
-    assert divergences(reference.token_ids, result.token_ids) == {}
-    stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}
-    # The actor died once (a running total: the timeline below shows when).
-    assert stats["ray-draft"]["replacements"] == 1
-    events = _ray_draft_timeline(log)
-    kinds = [kind for kind, _ in events]
-    assert kinds.count("ready") == 2 and kinds.count("lost") == 1, events
-    first_ready, lost = kinds.index("ready"), kinds.index("lost")
-    rejoined = len(kinds) - 1 - kinds[::-1].index("ready")
-    assert first_ready < lost < rejoined and events[rejoined] == ("ready", 1)
+                            max_tokens=FAULT_MAX_TOKENS))
+    home = tmp_path / "home"
+    home.mkdir()
+    before, real_token = ray_processes(), _token_file_state()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(HOME=str(home), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               SMURFS_DRAFTER_FAULT=f"ray-draft=exit_after:{FAULT_AFTER_STEPS}")
+    job = {"target": family.target, "speculative_config": ray_config(family),
+           "prompts": list(TINY_PROMPTS), "max_tokens": FAULT_MAX_TOKENS,
+           "drafter": "ray-draft", "until": "replaced", "timeout_s": 180.0}
+    out, error, log = run_phases(job, env, timeout_s=900)
+    assert out is not None, f"job failed ({error}):\n{log[-8000:]}"
+    assert ray_processes() == before, "the run left Ray processes behind"
+    assert not (home / ".ray").exists() and _token_file_state() == real_token
+    first, second = out["phases"]
+    print(f"\nbetween the phases {out['between_s']} s; {json.dumps(second['after'])}")
+    for phase in (first, second):
+        assert divergences(reference.token_ids, phase["token_ids"]) == {}
 
-    def drafted(start: int, end: int) -> list[int]:
-        return [n for kind, n in events[start:end] if kind == "drafted"]
+    def ray_draft(stats):
+        return {d["name"]: d for d in stats["drafters"]}["ray-draft"]
 
-    # The first actor drafted before it died (not a death during warm-up: it was ready, and
-    # tokens came from it), and the replacement drafted again after it rejoined.
-    before_kill = drafted(first_ready, lost)
-    assert before_kill and before_kill[-1] > 0, events
-    after_rejoin = drafted(rejoined, len(events))
-    assert after_rejoin and after_rejoin[-1] > max(drafted(0, rejoined)), events
-    assert stats["ray-draft"]["alive"]
-    # The in-worker drafter kept drafting after the Ray drafter was lost.
-    assert stats["draft-0"]["drafted_tokens"] > 0 and result.num_accepted_tokens > 0
-    assert result.smurfs_stats["steps_without_models"] == 0
+    def drafted(phase, name="ray-draft"):
+        entries = [{d["name"]: d for d in phase[k]["drafters"]}[name] for k in ("before", "after")]
+        return entries[1]["drafted_tokens"] - entries[0]["drafted_tokens"]
+
+    # It died in phase 1, not in the warm-up (replacements is a running total)...
+    assert ray_draft(first["before"])["replacements"] == 0 and ray_draft(first["before"])["alive"]
+    assert ray_draft(first["after"])["replacements"] == 1
+    # ... and had drafted: phase 1's drafts are the first actor's, its replacement being ready
+    # only after phase 1 ended.
+    lost, phase_1_done = log.index("ray-draft (Ray actor on node"), log.index("### phase 1 done")
+    rejoined = log.index("(replacement 1)", log.index("Smurfs drafter ray-draft ready as a Ray"))
+    assert lost < phase_1_done < rejoined
+    assert drafted(first) > 0
+    # The replacement rejoined and drafted again.
+    assert ray_draft(second["before"])["alive"] and ray_draft(second["after"])["replacements"] == 1
+    assert drafted(second) > 0
+    # The in-worker drafter drafted all along.
+    assert drafted(first, "draft-0") > 0 and drafted(second, "draft-0") > 0
 
 
 def test_a_lost_actor_is_replaced_and_the_replacement_drafts(family, tmp_path):

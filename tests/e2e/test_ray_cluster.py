@@ -32,10 +32,9 @@ pytestmark = pytest.mark.e2e
 SCENARIO = Path(__file__).with_name("ray_cluster_scenario.py")
 PORT = 6390
 REAL_TOKEN = Path.home() / ".ray" / "auth_token"
-# The worker node's drafter: killed with its node after this many engine steps of its own, early
-# in a run that goes on past draft_timeout_s after it (its replacement is reported by then).
+# The worker node's drafter: killed with its node after this many engine steps of its own.
 KILL_AFTER_STEPS = 60
-KILL_MAX_TOKENS = 400
+KILL_MAX_TOKENS = 200
 
 
 def _unshare() -> list[str]:
@@ -48,16 +47,21 @@ def _token_file_state() -> tuple[bool, float | None]:
     return REAL_TOKEN.exists(), REAL_TOKEN.stat().st_mtime if REAL_TOKEN.exists() else None
 
 
-def run_scenario(tmp_path: Path, job: Job, auth: str, job_env: dict[str, str] | None = None,
+def run_scenario(tmp_path: Path, job: Job | dict[str, Any], auth: str,
+                 job_env: dict[str, str] | None = None,
                  worker_resources: dict[str, float] | None = None,
                  timeout_s: float = 600) -> dict[str, Any]:
+    """``job``: a `Job` (run as `smurfs_tools.jobs` runs it) or a two-phase job's dict
+    (`ray_fault_job.py`)."""
     home = tmp_path / "home"
     home.mkdir()
     # Ray's socket paths must stay under 108 bytes: its session folder goes in a short one.
     ray_temp = tempfile.mkdtemp(prefix="smurfs-ray-")
-    scenario = {"port": PORT, "auth": auth, "home": str(home), "job": asdict(job),
-                "temp_dir": ray_temp, "timeout_s": timeout_s,
-                "job_env": job_env or {}, "worker_resources": worker_resources}
+    phases = not isinstance(job, Job)
+    scenario = {"port": PORT, "auth": auth, "home": str(home), "phases": phases,
+                "job": job if phases else asdict(job), "temp_dir": ray_temp,
+                "timeout_s": timeout_s, "job_env": job_env or {},
+                "worker_resources": worker_resources}
     spec_path, out_path = tmp_path / "scenario.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(scenario))
     real_token = _token_file_state()
@@ -69,8 +73,9 @@ def run_scenario(tmp_path: Path, job: Job, auth: str, job_env: dict[str, str] | 
         shutil.rmtree(ray_temp, ignore_errors=True)
     assert out_path.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(out_path.read_text())
-    print(f"\njob {out.get('job_s', 0):.1f} s; error {out.get('error')!r}; "
-          f"stats {json.dumps((out.get('result') or {}).get('smurfs_stats'))}")
+    result = out.get("result") or {}
+    print(f"\njob {out.get('job_s', 0):.1f} s; error {out.get('error')!r}; stats "
+          f"{json.dumps(result.get('smurfs_stats') or [p['after'] for p in result.get('phases', [])])}")
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert out["interfaces"] == 1  # loopback only
     assert _token_file_state() == real_token  # the real home folder: untouched
@@ -125,34 +130,52 @@ def test_a_drafter_on_a_worker_node_that_dies_mid_run_costs_speculation_only(fam
     """A second raylet on the same head, as a worker node with a resource of its own; the Ray
     drafter is placed there by ray_options, drafts, and the node is killed mid-run (its raylet
     and the drafter's process, SIGKILL, as when a machine goes away, after the drafter's 60th
-    engine step). The user has no token: a fresh home folder."""
+    engine step). Its replacement asks for the same resource, which no node has any more: it is
+    reported, and the engine goes on with its in-worker drafter. The user has no token: a fresh
+    home folder. (Two phases, the engine kept stepping for a few seconds between them: the
+    report comes draft_timeout_s after the replacement is launched.)"""
     reference = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS),
                             max_tokens=KILL_MAX_TOKENS))
     spec = {**ray_spec(family, ray_options={"resources": {"drafter_node": 1}}),
             "draft_timeout_s": 3.0}
-    job = Job(target=family.target, prompts=list(TINY_PROMPTS), speculative_config=spec,
-              max_tokens=KILL_MAX_TOKENS)
+    job = {"target": family.target, "speculative_config": spec, "prompts": list(TINY_PROMPTS),
+           "max_tokens": KILL_MAX_TOKENS, "drafter": "ray-draft", "until": "seconds",
+           "seconds": 8.0, "timeout_s": 60.0}
     out = run_scenario(tmp_path, job, "none", worker_resources={"drafter_node": 1},
                        job_env={"SMURFS_DRAFTER_FAULT": f"ray-draft=kill_node_after:"
                                                         f"{KILL_AFTER_STEPS}"})
     assert out["result"] is not None, out["log"][-6000:]
-    assert divergences(reference.token_ids, out["result"]["token_ids"]) == {}
+    first, second = out["result"]["phases"]
+    for phase in (first, second):
+        assert divergences(reference.token_ids, phase["token_ids"]) == {}
     log = out["log"]
     ready = [line for line in log.splitlines() if "ray-draft ready as a Ray actor" in line]
     assert len(ready) == 1 and "(replacement" not in ready[0]  # it ran on the worker node...
     assert "node 127.0.0.1 (" in ready[0] and ", another node), pid" in ready[0]
-    ray_stats = _ray_stats(out)
-    # ... and drafted there, in the measured run, before the kill: its replacement never ran
-    # (the only node with the resource it asks for is gone), so these are the first actor's.
-    assert ray_stats["drafted_tokens"] > 0 and ray_stats["accepted_tokens"] > 0
-    assert ray_stats["replacements"] == 1 and not ray_stats["alive"]
+
+    def ray_draft(stats):
+        return {d["name"]: d for d in stats["drafters"]}["ray-draft"]
+
+    # ... drafted there in phase 1, and died there: mid-run, not in the warm-up. Its drafts in
+    # phase 1 are its own (the replacement never ran: the only node with its resource is gone).
+    assert ray_draft(first["before"])["replacements"] == 0 and ray_draft(first["before"])["alive"]
+    assert ray_draft(first["after"])["replacements"] == 1
+    drafted = ray_draft(first["after"])["drafted_tokens"] - ray_draft(first["before"])[
+        "drafted_tokens"]
+    assert drafted > 0
     assert "Smurfs drafter ray-draft (Ray actor on node 127.0.0.1) is lost" in log
+    assert log.index("is lost") < log.index("### phase 1 done")
     assert ("Smurfs drafter ray-draft: its Ray actor is not placed: it asks for "
             "{'drafter_node': 1.0}") in log  # the replacement, reported
-    # The in-worker drafter kept drafting; the user's head is up, the worker node's raylet is
-    # gone (the cluster marks the node dead once its health checks fail, seconds later).
-    assert {d["name"]: d for d in out["result"]["smurfs_stats"]["drafters"]}["draft-0"][
-        "drafted_tokens"] > 0
+    # Phase 2: the in-worker drafter drafts alone, and the outputs are as without speculation.
+    assert not ray_draft(second["after"])["alive"]
+    assert ray_draft(second["after"])["drafted_tokens"] == ray_draft(second["before"])[
+        "drafted_tokens"]
+    draft0 = [{d["name"]: d for d in p["drafters"]}["draft-0"]["drafted_tokens"]
+              for p in (second["before"], second["after"])]
+    assert draft0[1] > draft0[0]
+    # The user's head is up; the worker node's raylet is gone (the cluster marks the node dead
+    # once its health checks fail, seconds later).
     assert out["cluster_after"]["answers"] and out["raylets_after"] == 1
     assert out["token_after"] is None and ray_files(out) == []
 
