@@ -75,14 +75,17 @@ def run_phases(job: dict[str, Any], env: dict[str, str], timeout_s: float
 
 def run_child(command: list[str], job: dict[str, Any], env: dict[str, str], timeout_s: float
               ) -> tuple[dict[str, Any] | None, str, str]:
-    """``python COMMAND JOB.json OUT.json``: (OUT, error, its stdout and stderr)."""
+    """``python COMMAND JOB.json OUT.json``: (OUT, error, its output, stdout and stderr
+    interleaved)."""
     with tempfile.TemporaryDirectory(prefix="smurfs-job-") as tmp:
         job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
         with open(job_path, "w") as f:
             json.dump(job, f)
-        proc = subprocess.run([sys.executable, *command, job_path, result_path],
-                              env=env, capture_output=True, text=True, timeout=timeout_s)
-        log = proc.stdout + proc.stderr
+        # One stream, so that the log keeps the order things happened in.
+        proc = subprocess.run([sys.executable, *command, job_path, result_path], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s)
+        log = proc.stdout
         if proc.returncode != 0 or not os.path.exists(result_path):
             return None, f"exit {proc.returncode}", log
         with open(result_path) as f:

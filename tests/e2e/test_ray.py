@@ -30,8 +30,8 @@ pytest.importorskip("ray", reason="the 'ray' extra is not installed")
 pytestmark = pytest.mark.e2e
 
 FAULT_MAX_TOKENS = 200
-# Engine steps the first actor runs before it dies: early in the run, past the warm-up request.
-FAULT_AFTER_STEPS = 40
+# Engine steps the first actor runs before it dies: early in phase 1.
+FAULT_AFTER_STEPS = 20
 RAY_PROCESSES = ("gcs_server", "raylet")
 REAL_TOKEN = Path.home() / ".ray" / "auth_token"
 
@@ -106,7 +106,7 @@ def test_an_actor_no_node_can_place_is_reported_and_speculation_goes_on(family, 
 
 
 def test_a_ray_actor_killed_mid_run_costs_speculation_only(family, tmp_path):
-    """The Ray drafter's actor dies (os._exit) after its 40th engine step, in phase 1 of a
+    """The Ray drafter's actor dies (os._exit) after its 20th engine step, in phase 1 of a
     two-phase job (`ray_fault_job.py`: the engine keeps stepping between the phases until the
     replacement is up, which takes an engine start). Every output of both phases equals the run
     without speculation; the first actor drafted before it died, and its replacement rejoined

@@ -33,7 +33,7 @@ SCENARIO = Path(__file__).with_name("ray_cluster_scenario.py")
 PORT = 6390
 REAL_TOKEN = Path.home() / ".ray" / "auth_token"
 # The worker node's drafter: killed with its node after this many engine steps of its own.
-KILL_AFTER_STEPS = 60
+KILL_AFTER_STEPS = 30
 KILL_MAX_TOKENS = 200
 
 
@@ -129,7 +129,7 @@ def test_a_job_naming_the_cluster_by_ray_address_alone_drafts_on_it(family, gree
 def test_a_drafter_on_a_worker_node_that_dies_mid_run_costs_speculation_only(family, tmp_path):
     """A second raylet on the same head, as a worker node with a resource of its own; the Ray
     drafter is placed there by ray_options, drafts, and the node is killed mid-run (its raylet
-    and the drafter's process, SIGKILL, as when a machine goes away, after the drafter's 60th
+    and the drafter's process, SIGKILL, as when a machine goes away, after the drafter's 30th
     engine step). Its replacement asks for the same resource, which no node has any more: it is
     reported, and the engine goes on with its in-worker drafter. The user has no token: a fresh
     home folder. (Two phases, the engine kept stepping for a few seconds between them: the
