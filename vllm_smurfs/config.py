@@ -20,7 +20,7 @@ import json
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError
 
 #: Where the validated config travels inside ``VllmConfig.additional_config``.
 ADDITIONAL_CONFIG_KEY = "smurfs"
@@ -125,9 +125,17 @@ class ModelDrafterConfig(_Strict):
         "draft_timeout_s.",
     )
 
+    # The configuration's ray_address, for a Ray drafter's client (set by SmurfsConfig).
+    _ray_address: str | None = PrivateAttr(default=None)
+
     @property
     def display_name(self) -> str:
         return self.name or os.path.basename(os.path.normpath(self.model)) or self.model
+
+    @property
+    def cluster_address(self) -> str | None:
+        """Placement 'ray': the cluster the configuration names (its ray_address), if any."""
+        return self._ray_address
 
     def model_post_init(self, __context: Any) -> None:
         if self.placement == "worker":
@@ -270,6 +278,13 @@ class SmurfsConfig(_Strict):
         "hung, stopped and left out (it costs speculation, never a token); in synchronous mode "
         "also the longest wait per step.",
     )
+    ray_address: str | None = Field(
+        default=None, min_length=1,
+        description="Placement 'ray': the Ray cluster the drafters' actors join, as host:port "
+        "of its head (what `ray start --head` prints), or 'auto' for the one running on this "
+        "machine. Default: the cluster named by RAY_ADDRESS, or the one vLLM's Ray executor "
+        "runs on; with neither, a private cluster on 127.0.0.1 that stops with the engine.",
+    )
     trace_file: str | None = Field(
         default=None,
         description="Append a per-step trace (JSON lines: batch, per-request lookahead and "
@@ -281,6 +296,14 @@ class SmurfsConfig(_Strict):
     )
 
     def model_post_init(self, __context: Any) -> None:
+        if self.ray_address is not None:
+            ray_drafters = [d for d in self.model_drafters if d.placement == "ray"]
+            if not ray_drafters:
+                raise ValueError("ray_address names the Ray cluster of drafters with placement "
+                                 "'ray', and no drafter has it: remove ray_address or set "
+                                 "\"placement\": \"ray\" on a model drafter")
+            for drafter in ray_drafters:
+                drafter._ray_address = self.ray_address
         if self.lookahead.min_tokens > self.num_speculative_tokens:
             raise ValueError(
                 f"lookahead.min_tokens ({self.lookahead.min_tokens}) must be <= "
