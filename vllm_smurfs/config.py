@@ -9,17 +9,18 @@ Users write one dict (a JSON file for ``vllm serve --speculative-config``, or th
 
 `SmurfsConfig.from_user_dict` validates it (unknown keys refused, every error naming the key and
 what was expected); `SmurfsConfig.check_against_target` checks the drafters against the target
-(paths exist, same vocabulary). The plugin then hands vLLM an ordinary ``custom_class``
+(paths exist, same tokenizer). The plugin then hands vLLM an ordinary ``custom_class``
 speculative config and carries this config to the workers in ``additional_config["smurfs"]``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError
 
 #: Where the validated config travels inside ``VllmConfig.additional_config``.
 ADDITIONAL_CONFIG_KEY = "smurfs"
@@ -124,9 +125,17 @@ class ModelDrafterConfig(_Strict):
         "draft_timeout_s.",
     )
 
+    # The configuration's ray_address, for a Ray drafter's client (set by SmurfsConfig).
+    _ray_address: str | None = PrivateAttr(default=None)
+
     @property
     def display_name(self) -> str:
         return self.name or os.path.basename(os.path.normpath(self.model)) or self.model
+
+    @property
+    def cluster_address(self) -> str | None:
+        """Placement 'ray': the cluster the configuration names (its ray_address), if any."""
+        return self._ray_address
 
     def model_post_init(self, __context: Any) -> None:
         if self.placement == "worker":
@@ -269,6 +278,13 @@ class SmurfsConfig(_Strict):
         "hung, stopped and left out (it costs speculation, never a token); in synchronous mode "
         "also the longest wait per step.",
     )
+    ray_address: str | None = Field(
+        default=None, min_length=1,
+        description="Placement 'ray': the Ray cluster the drafters' actors join, as host:port "
+        "of its head (what `ray start --head` prints), or 'auto' for the one running on this "
+        "machine. Default: the cluster named by RAY_ADDRESS, or the one vLLM's Ray executor "
+        "runs on; with neither, a private cluster on 127.0.0.1 that stops with the engine.",
+    )
     trace_file: str | None = Field(
         default=None,
         description="Append a per-step trace (JSON lines: batch, per-request lookahead and "
@@ -280,6 +296,14 @@ class SmurfsConfig(_Strict):
     )
 
     def model_post_init(self, __context: Any) -> None:
+        if self.ray_address is not None:
+            ray_drafters = [d for d in self.model_drafters if d.placement == "ray"]
+            if not ray_drafters:
+                raise ValueError("ray_address names the Ray cluster of drafters with placement "
+                                 "'ray', and no drafter has it: remove ray_address or set "
+                                 "\"placement\": \"ray\" on a model drafter")
+            for drafter in ray_drafters:
+                drafter._ray_address = self.ray_address
         if self.lookahead.min_tokens > self.num_speculative_tokens:
             raise ValueError(
                 f"lookahead.min_tokens ({self.lookahead.min_tokens}) must be <= "
@@ -319,9 +343,21 @@ class SmurfsConfig(_Strict):
         return cls.model_validate(additional_config[ADDITIONAL_CONFIG_KEY])
 
     def check_against_target(
-        self, target_model: str, target_vocab_size: int, trust_remote_code: bool = False
+        self, target_model: str, target_vocab_size: int | None = None,
+        trust_remote_code: bool = False, target_tokenizer: str | None = None,
     ) -> None:
-        """Refuse drafters that cannot draft for this target: missing paths, another vocabulary."""
+        """Refuse drafters that cannot draft for this target: missing paths, another tokenizer.
+
+        Drafts travel as token ids, so a drafter must map every token to the id the target
+        does: the tokenizers are compared (every token and special token with its id; a
+        fingerprint), not the embedding sizes, which checkpoints pad differently for one
+        tokenizer (Qwen2.5-0.5B has 151,936 rows, Qwen2.5-7B 152,064). Drafts use only ids
+        below both sizes (the in-worker drafter and the propose patch see to it). A drafter
+        without a tokenizer of its own is read with the target's (as vLLM does): its embedding
+        size must then be ``target_vocab_size``.
+        ``target_tokenizer``: the target's tokenizer when it is not ``target_model``'s own.
+        """
+        target_vocab: TokenizerVocabulary | None = None
         for index, drafter in enumerate(self.drafters):
             if not isinstance(drafter, ModelDrafterConfig):
                 continue
@@ -329,13 +365,81 @@ class SmurfsConfig(_Strict):
             path = os.path.expanduser(drafter.model)
             if _looks_like_local_path(drafter.model) and not os.path.exists(path):
                 raise ValueError(f"{key}: path '{drafter.model}' does not exist.")
-            draft_vocab_size = _vocab_size(drafter.model, trust_remote_code, key)
-            if draft_vocab_size != target_vocab_size:
+            if target_vocab is None:
+                target_vocab = TokenizerVocabulary.load(target_tokenizer or target_model,
+                                                        trust_remote_code)
+                if target_vocab is None:
+                    raise ValueError(
+                        f"speculative_config: cannot load the tokenizer of the target "
+                        f"'{target_tokenizer or target_model}' to compare it with the drafters'.")
+            draft_vocab = TokenizerVocabulary.load(drafter.model, trust_remote_code)
+            if draft_vocab is None:
+                # No tokenizer of its own (vLLM reads a draft model with the target's): its
+                # embedding size is the only evidence left, and it must match.
+                rows = _vocab_size(drafter.model, trust_remote_code, key)
+                if target_vocab_size is not None and rows != target_vocab_size:
+                    raise ValueError(
+                        f"{key}: drafter '{drafter.model}' has no tokenizer to compare with the "
+                        f"target '{target_model}', and its config gives {rows} vocabulary rows "
+                        f"where the target has {target_vocab_size}; every Smurfs drafter must "
+                        "share the target's tokenizer: if it does (embeddings padded "
+                        "differently), copy the target's tokenizer files into the drafter's "
+                        "folder, so that the tokenizers are compared instead.")
+                continue
+            if draft_vocab.fingerprint != target_vocab.fingerprint:
                 raise ValueError(
-                    f"{key}: drafter '{drafter.model}' has a vocabulary of {draft_vocab_size} "
-                    f"tokens but the target '{target_model}' has {target_vocab_size}; every "
-                    "Smurfs drafter must share the target's tokenizer and vocabulary."
-                )
+                    f"{key}: drafter '{drafter.model}' has another tokenizer than the target "
+                    f"'{target_model}' ({draft_vocab.difference(target_vocab)}); every Smurfs "
+                    "drafter must share the target's tokenizer (the same tokens and special "
+                    "tokens with the same ids; embedding sizes may differ).")
+
+
+#: Files one of which a local folder with a tokenizer has (Hugging Face, SentencePiece, Mistral).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
+                    "tekken.json", "vocab.txt")
+
+
+class TokenizerVocabulary:
+    """A tokenizer's vocabulary: every token (special tokens included) with its id, and a
+    fingerprint of it. What drafting depends on: drafts are ids, read with the target's
+    tokenizer. Which special token plays eos or bos is not part of it (generation settings)."""
+
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+        digest = hashlib.sha256()
+        for token, token_id in sorted(vocab.items(), key=lambda item: item[1]):
+            digest.update(f"{token_id}\x00{token}\x01".encode("utf-8", "surrogatepass"))
+        self.fingerprint = digest.hexdigest()
+
+    @classmethod
+    def load(cls, model: str, trust_remote_code: bool = False) -> TokenizerVocabulary | None:
+        """The vocabulary of ``model``'s tokenizer (vLLM's loader: Hugging Face or Mistral
+        formats), None when it has none."""
+        from vllm.tokenizers import get_tokenizer
+
+        path = os.path.expanduser(model)
+        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name))
+                                           for name in _TOKENIZER_FILES):
+            return None  # a loader would fall back to a class's empty defaults
+        try:
+            vocab = dict(get_tokenizer(path, trust_remote_code=trust_remote_code).get_vocab())
+        except Exception:  # noqa: BLE001 - no tokenizer (or none that loads): the caller says so
+            return None
+        return cls(vocab) if len(vocab) > 1 else None
+
+    def difference(self, other: TokenizerVocabulary) -> str:
+        """What differs from ``other``'s vocabulary, in words (for an error message)."""
+        ours, theirs = self.vocab, other.vocab
+        moved = [t for t, i in ours.items() if t in theirs and theirs[t] != i]
+        missing = len(set(theirs) - set(ours))
+        parts = [f"{len(ours)} tokens against {len(theirs)}"]
+        if moved:
+            example = moved[0]
+            parts.append(f"{len(moved)} with another id, e.g. {example!r} is {ours[example]} "
+                         f"in the drafter and {theirs[example]} in the target")
+        if missing:
+            parts.append(f"{missing} of the target's tokens missing")
+        return "; ".join(parts)
 
 
 def load_user_config(value: str) -> dict[str, Any]:

@@ -169,6 +169,7 @@ class ModelDrafterClient:
         self._unacked = 0  # messages sent that the server has not acknowledged yet
         self._tracking = False  # tracked something since the last pause
         self._frozen = False  # the process is stopped (SIGSTOP) while paused
+        self._stop_on_pause = True  # pausing stops the process (see `stops_when_paused`)
         self._stops: deque[tuple[float, float]] = deque(maxlen=8)  # recent (stopped, resumed)
         self._stopped_at = 0.0
         self._last_heard = time.monotonic()
@@ -222,10 +223,16 @@ class ModelDrafterClient:
             return
         # From here on nothing waits on the drafter: see channel.Channel.
         self._channel = Channel(conn, MAX_PENDING_BYTES)
-        self.health.extra.update(message.info)
-        self._last_heard = time.monotonic()
+        self._took_ready(message.info)
         logger.info("Smurfs drafter %s ready: pid %s, cpus %s, %.1f s", self.name,
                     message.info["pid"], message.info["cpus"], message.info["load_s"])
+
+    def _took_ready(self, info: dict[str, Any]) -> None:
+        """The drafter's engine is up (``info``: its `Ready` info): its figures, and whether a
+        pause stops its process."""
+        self._stop_on_pause = stops_when_paused(info, target_cores())
+        self.health.extra.update(info)
+        self._last_heard = time.monotonic()
 
     def close(self) -> None:
         """Shut the drafter down: its process, the socket, the listener, the socket's folder."""
@@ -327,8 +334,9 @@ class ModelDrafterClient:
         self._thaw()
 
     def _stoppable_pid(self) -> int | None:
-        """The process `pause` stops (SIGSTOP) and `resume` lets run: the drafter's, while alive."""
-        if self._proc is None or self._proc.poll() is not None:
+        """The process `pause` stops (SIGSTOP) and `resume` lets run: the drafter's, while alive
+        and when stopping it gives the target something (`stops_when_paused`)."""
+        if not self._stop_on_pause or self._proc is None or self._proc.poll() is not None:
             return None
         return self._proc.pid
 
@@ -502,6 +510,31 @@ class ModelDrafterClient:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def stops_when_paused(info: dict[str, Any], target: Sequence[int] | None) -> bool:
+    """Whether pausing the drafter of ``info`` (its `Ready` info: ``device``, ``cpus``) stops its
+    process (SIGSTOP): only a drafter that computes on CPU cores the target's threads use
+    (``target``: their cores, None when they float over every core). Stopped, it gives those
+    cores back at once instead of finishing an engine step there. A drafter elsewhere gains the
+    target nothing by stopping, and one on a GPU must keep running: its host thread feeds the
+    device, and a stopped process keeps its device memory and context while work it queued
+    waits on it."""
+    if info.get("device", "cpu") != "cpu":
+        return False
+    if target is None:
+        return True
+    return bool(set(info.get("cpus") or ()) & set(target))
+
+
+def target_cores() -> list[int] | None:
+    """The cores the target's compute threads are bound to (in the target's worker, where the
+    clients live); None when they float (see `cores.target_cpus`)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return cores.target_cpus(torch.get_num_threads())
 
 
 def _drafter_env(num_threads: int) -> dict[str, str]:

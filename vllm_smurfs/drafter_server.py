@@ -286,7 +286,9 @@ def serve(conn: Any, drafter: PathDrafter, fault: _Fault) -> None:
 
 class _Fault:
     """Fault injection for the fault tests: ``SMURFS_DRAFTER_FAULT=NAME=exit_after:N`` makes the
-    drafter NAME die before its N+1-th engine step; ``NAME=hang_after:N`` makes it stop answering.
+    drafter NAME die before its N+1-th engine step; ``NAME=hang_after:N`` makes it stop answering;
+    ``NAME=kill_node_after:N`` (a Ray actor) ends its Ray node as a machine that goes away
+    would: the raylet that started it and itself, SIGKILL.
     """
 
     def __init__(self, spec: str, name: str) -> None:
@@ -303,7 +305,24 @@ class _Fault:
                 os._exit(17)
             if self.kind == "hang_after":
                 time.sleep(3600)
+            if self.kind == "kill_node_after":
+                _kill_raylet()
+                os.kill(os.getpid(), 9)
         self.steps += 1
+
+
+def _kill_raylet() -> None:
+    """SIGKILL this process's parent if it is a Ray raylet (it is for a Ray actor's process)."""
+    import signal
+
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            command = f.read().split(b"\0")[0]
+    except OSError:
+        return
+    if os.path.basename(command) == b"raylet":
+        os.kill(parent, signal.SIGKILL)
 
 
 def _warm_up(engine: VllmDraftEngine) -> None:
@@ -341,9 +360,12 @@ def start_engine(spec: dict[str, Any]) -> tuple[VllmDraftEngine | None, Ready | 
         vocab_size = llm.llm_engine.model_config.get_vocab_size()
         engine = VllmDraftEngine(llm.llm_engine)
         _warm_up(engine)
+        from vllm.platforms import current_platform
+
         return engine, Ready({"pid": os.getpid(), "vocab_size": vocab_size,
                               "load_s": time.monotonic() - started,
-                              "cpus": sorted(os.sched_getaffinity(0))})
+                              "cpus": sorted(os.sched_getaffinity(0)),
+                              "device": current_platform.device_type})
     except Exception:  # noqa: BLE001 - reported to the client, which decides
         return None, StartFailed(traceback.format_exc())
 

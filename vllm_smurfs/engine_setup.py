@@ -1,9 +1,10 @@
 """What configuring an engine with Smurfs checks and sets, before any engine process starts.
 
 Called from the front process (`patches.engine_args_speculative`) once the user's config is
-valid on its own: the drafters are checked against the target and against what vLLM can host in
-the target's worker (architecture, KV cache space), so a bad setting fails at once with the
-setting named, not deep in a worker; and on CPU the target is given every core by default.
+valid on its own: the model runner is checked (V1 only), the drafters are checked against the
+target and against what vLLM can host in the target's worker (architecture, attention kinds, KV
+cache space), so a bad setting fails at once with the setting named, not deep in a worker; and on
+CPU the target is given every core by default.
 """
 
 from __future__ import annotations
@@ -96,16 +97,59 @@ def _hf_config(model: str, trust_remote_code: bool) -> Any:
                                       trust_remote_code=trust_remote_code)
 
 
+#: Per-layer kinds (``layer_types`` in a Hugging Face config) an in-worker drafter can have: full
+#: attention, and local attention, which it keeps a full-attention KV cache for (`in_worker_kv`).
+_WORKER_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
 def _check_architecture(index: int, drafter: ModelDrafterConfig, hf_config: Any) -> None:
     from vllm.model_executor.models import ModelRegistry
 
+    key = f"speculative_config.drafters[{index}].model"
     archs = list(getattr(hf_config, "architectures", None) or [])
     supported = ModelRegistry.get_supported_archs()
     if not any(arch in supported for arch in archs):
         raise ValueError(
-            f"speculative_config.drafters[{index}].model: '{drafter.model}' has architecture "
+            f"{key}: '{drafter.model}' has architecture "
             f"{archs or '(none given)'}, which vLLM cannot run as a draft model in the target's "
             "worker; use a causal language model vLLM supports.")
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    other_layers = sorted(set(getattr(text, "layer_types", None) or ()) - _WORKER_LAYER_TYPES)
+    info = next((i for i in map(_model_info, archs) if i is not None), None)
+    recurrent = info is not None and (info.is_hybrid or info.has_inner_state
+                                      or info.is_attention_free)
+    if other_layers or recurrent:
+        what = ("a recurrent state (Mamba-like layers) beside or instead of attention"
+                if recurrent else f"layers of kind {other_layers}")
+        raise ValueError(
+            f"{key}: drafter '{drafter.display_name}' ({archs[0]}) has {what}: vLLM frees or "
+            "overwrites such a cache while a request runs, and an in-worker drafter catches up "
+            "lazily through the target's block tables, so it cannot run in the target's worker. "
+            "Set \"placement\": \"process\" for it (its own engine manages its own cache).")
+
+
+def _model_info(arch: str) -> Any:
+    """vLLM's registry entry of ``arch`` (None if it has none)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    try:
+        return ModelRegistry._try_inspect_model_cls(arch)
+    except Exception:  # noqa: BLE001 - an entry that cannot be inspected tells nothing more
+        return None
+
+
+def check_model_runner() -> None:
+    """Refuse vLLM's V2 model runner: Smurfs hooks the V1 runner (`GPUModelRunner`, which the
+    CPU runner subclasses); on V2 the proposer would never get its step context. vLLM chooses
+    V1 for a custom proposer by itself; only ``VLLM_USE_V2_MODEL_RUNNER=1`` forces V2."""
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError(
+            "VLLM_USE_V2_MODEL_RUNNER=1: speculative_config method 'smurfs' runs on vLLM's V1 "
+            "model runner (its patches hook GPUModelRunner; vLLM's V2 runner would never hand "
+            "the Smurfs proposer the requests of a step). Unset VLLM_USE_V2_MODEL_RUNNER (vLLM "
+            "picks the V1 runner for Smurfs by itself) or set it to 0.")
 
 
 def default_to_all_cores() -> bool:

@@ -17,8 +17,17 @@ can sit out steps (when the model-free voters already have a draft worth taking,
 does not pay) at no cost but a longer catch-up later, and the stopping rule can end each
 request's draft at any position, from the drafter's confidence.
 
+A lazy catch-up writes old positions, so the drafter's KV cache must live as long as the
+request: local-attention layers (sliding window, chunked) keep a full-attention cache
+(`in_worker_kv`; vLLM's sliding-window manager would free those blocks and hand them to other
+requests while the runner's block table still names them), and kinds no such cache can stand for
+are refused. Like vLLM's own drafter, a draft costs no host sync per forward (`draft`).
+
 Lossless by construction: drafts are only proposals, which the target's rejection sampler
-verifies; a drafter's KV cache is its own (the target's is never written here).
+verifies, and only ids the target has a row for; a drafter's KV cache is its own (the target's
+is never written here). A failing drafter costs speculation only, except for a fatal device
+error (a CUDA device-side assert, an illegal memory access), after which nothing on the device
+can run: it stops the engine with a message naming the drafter.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,14 +44,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.config import SpeculativeConfig, VllmConfig
+from vllm.config import SpeculativeConfig, VllmConfig, get_layers_from_vllm_config
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_smurfs.config import ModelDrafterConfig
 from vllm_smurfs.drafter_client import DrafterHealth
+from vllm_smurfs.in_worker_kv import keep_kv_for_request_lifetime
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +95,7 @@ def _speculative_config(spec: ModelDrafterConfig, vllm_config: VllmConfig,
                         num_speculative_tokens: int) -> SpeculativeConfig:
     """vLLM's own ``draft_model`` configuration for this drafter (validates the model)."""
     target_parallel = vllm_config.parallel_config
-    config = SpeculativeConfig(
+    settings: dict[str, Any] = dict(
         method="draft_model",
         model=spec.model,
         num_speculative_tokens=num_speculative_tokens,
@@ -92,6 +104,16 @@ def _speculative_config(spec: ModelDrafterConfig, vllm_config: VllmConfig,
         target_model_config=vllm_config.model_config,
         target_parallel_config=target_parallel,
     )
+    try:
+        config = SpeculativeConfig(**settings)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        if "same vocabulary size" not in str(exc):
+            raise
+        # One tokenizer, embeddings padded to other sizes (the tokenizers were compared at
+        # start-up: SmurfsConfig.check_against_target). vLLM's draft_model refuses such a pair
+        # unless told the vocabularies differ; its id mapping (unused here) is then the
+        # identity, and drafts stay below both sizes (`vocab_limit`).
+        config = SpeculativeConfig(**settings, use_heterogeneous_vocab=True)
     if spec.dtype != "auto":
         draft = copy.copy(config.draft_model_config)
         draft.dtype = _torch_dtype(spec.dtype)
@@ -129,14 +151,21 @@ class InWorkerDrafter(DraftModelProposer):
         # Per request: positions whose KV this drafter has computed for the request's text.
         self._synced: dict[str, int] = {}
         # Fault injection for the fault tests (as for process drafters, see drafter_server):
-        # SMURFS_DRAFTER_FAULT=NAME=raise_after:N makes drafter NAME fail its N+1-th step.
-        # SMURFS_DRAFTER_FAULT=NAME=stall_first:SECONDS makes drafter NAME's first forward after
-        # start-up take SECONDS longer (a first call that built kernels: a poisoned cost curve).
+        # SMURFS_DRAFTER_FAULT=NAME=raise_after:N makes drafter NAME fail its N+1-th step
+        # (device_assert_after:N: with CUDA's device-side assert message, which is fatal);
+        # NAME=stall_first:SECONDS makes its first forward after start-up take SECONDS longer
+        # (a first call that built kernels: a poisoned cost curve).
         target, _, fault = os.environ.get("SMURFS_DRAFTER_FAULT", "").partition("=")
         kind, _, count = fault.partition(":")
         mine = target == self.name
-        self._fail_after = int(count) if mine and kind == "raise_after" else -1
+        faulty = mine and kind in ("raise_after", "device_assert_after")
+        self._fault_kind = kind if faulty else ""
+        self._fail_after = int(count) if faulty else -1
         self._stall_s = float(count) if mine and kind == "stall_first" else 0.0
+        #: Ids it may draft: below the target's vocabulary size (one tokenizer, but embeddings
+        #: padded to different sizes) and below ``draft_vocab_size``.
+        self.vocab_limit = min(int(vllm_config.model_config.get_vocab_size()),
+                               spec.draft_vocab_size or sys.maxsize)
 
     # -- set-up (called through the Smurfs proposer) -------------------------------------------
     def _get_model(self) -> torch.nn.Module:
@@ -151,6 +180,14 @@ class InWorkerDrafter(DraftModelProposer):
     def load(self, target_model: torch.nn.Module) -> None:
         started = time.perf_counter()
         self.load_model(target_model)
+        # Before the runner sizes the KV cache: local-attention layers get a cache vLLM keeps for
+        # the request's whole life (a lazy catch-up writes old positions; see in_worker_kv).
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase,
+                                             sorted(self._draft_attn_layer_names))
+        promoted = keep_kv_for_request_lifetime(layers, self.vllm_config, self.name)
+        if promoted:
+            logger.info("Smurfs in-worker drafter %s: %d local-attention layers keep a "
+                        "full-attention KV cache in the worker", self.name, len(promoted))
         logger.info("Smurfs in-worker drafter %s loaded (%s, %d attention layers) in %.1f s",
                     self.name, self.draft_dtype, len(self._draft_attn_layer_names),
                     time.perf_counter() - started)
@@ -178,23 +215,42 @@ class InWorkerDrafter(DraftModelProposer):
     def draft_safely(self, req_ids: list[str], rows: np.ndarray, contexts: list[np.ndarray],
                      caps: list[int], runner: Any, stop: StopRule | None) -> DraftResult:
         """`draft` through the runner's block table; an error costs speculation only: it is
-        logged, the drafter left out for the rest of the run, and no draft returned."""
+        logged, the drafter left out for the rest of the run, and no draft returned. A fatal
+        device error (a CUDA device-side assert, an illegal memory access: the device's state is
+        lost for every later kernel, the target's too) stops the engine instead, with a message
+        that says which drafter and why."""
         empty = DraftResult([[] for _ in req_ids], [[] for _ in req_ids])
         if not self.health.alive:
             return empty
         try:
             if self._fail_after == self.health.steps_answered:
-                raise RuntimeError("injected fault (SMURFS_DRAFTER_FAULT)")
+                raise self._injected_fault()
             table = runner.input_batch.block_table[self.kv_cache_gid].get_device_tensor(
                 runner.input_batch.num_reqs)
             result = self.draft(DraftRows(req_ids, rows, contexts, caps), table, stop)
         except Exception as exc:  # noqa: BLE001 - a drafter's failure must not fail the step
             self.fail(f"{type(exc).__name__}: {exc}")
+            if is_fatal_device_error(exc):
+                raise FatalDrafterError(
+                    f"Smurfs in-worker drafter '{self.name}' hit a fatal device error "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+                    "Errors of this kind leave the device unusable for every later kernel, the "
+                    "target's too, so the engine stops instead of going on without the drafter. "
+                    "Rerun with CUDA_LAUNCH_BLOCKING=1 to locate the kernel; to keep serving "
+                    "meanwhile, leave the drafter out or run it in a process of its own "
+                    "(\"placement\": \"process\").") from exc
             logger.exception("Smurfs in-worker drafter %s failed", self.name)
             return empty
         self.health.steps_answered += 1
         self.health.busy_s += sum(p.seconds for p in result.passes)
         return result
+
+    def _injected_fault(self) -> Exception:
+        if self._fault_kind == "device_assert_after":
+            # CUDA's own wording (torch raises it as a RuntimeError subclass).
+            return RuntimeError("CUDA error: device-side assert triggered (injected fault, "
+                                "SMURFS_DRAFTER_FAULT)")
+        return RuntimeError("injected fault (SMURFS_DRAFTER_FAULT)")
 
     def fail(self, reason: str) -> None:
         if self.health.alive:
@@ -212,129 +268,233 @@ class InWorkerDrafter(DraftModelProposer):
         ``block_table``: [num_rows, max_blocks] the block table of this drafter's KV cache group
         (the target's); row ``rows[i]`` addresses request i. ``stop`` decides after each forward
         which requests go on (default: all, to their cap).
+
+        No host sync per forward, as in vLLM's draft_model: what the host knows (the texts,
+        positions, lengths) goes to the device in pinned, non-blocking copies; the slot mapping
+        is computed on the device; sampled tokens stay there and are fed back from there. The
+        drafts come to the host once, at the end. A ``stop`` rule reads the confidences of each
+        forward: one device-to-host copy per forward, and only then.
         """
         n = len(batch.req_ids)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        confs: list[list[float]] = [[] for _ in range(n)]
-        result = DraftResult(tokens, confs)
+        result = DraftResult([[] for _ in range(n)], [[] for _ in range(n)])
         todo = [i for i in range(n) if batch.caps[i] > 0]
         if not todo:
             return result
         lengths = np.array([len(batch.contexts[i]) for i in range(n)], dtype=np.int64)
         budget = max_tokens_per_forward or self.max_num_tokens
+        clock = _PassClock(self.device)
+        # Each forward's sampled tokens, on the device: (requests, tokens [m], confidences [m]).
+        sampled: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        last = torch.zeros(n, dtype=torch.int64, device=self.device)  # latest draft token
+        drafted = [0] * n
+        confs = result.confidences  # filled per forward only for a stop rule
+
+        def keep(reqs: list[int], tokens: torch.Tensor, conf: torch.Tensor) -> None:
+            sampled.append((reqs, tokens, conf))
+            last[self._to_device(np.asarray(reqs, dtype=np.int64))] = tokens
+            for i in reqs:
+                drafted[i] += 1
+            if stop is not None:
+                for i, c in zip(reqs, conf.tolist()):  # the one copy per forward a rule needs
+                    confs[i].append(c)
+
         # First forward(s): from each request's synced position to the end of its text.
         starts = {i: min(self._synced.get(batch.req_ids[i], 0), int(lengths[i]) - 1)
                   for i in todo}
         for chunk in _pack(todo, starts, lengths, budget):
-            t0 = time.perf_counter()
+            clock.start()
             if self._stall_s:
                 time.sleep(self._stall_s)  # injected (SMURFS_DRAFTER_FAULT)
                 self._stall_s = 0.0
-            rows_in = [i for i, _, _ in chunk]
             ids = np.concatenate([batch.contexts[i][s:e] for i, s, e in chunk])
             positions = np.concatenate([np.arange(s, e) for i, s, e in chunk])
             query_lens = np.array([e - s for _, s, e in chunk], dtype=np.int64)
             seq_lens = np.array([e for _, _, e in chunk], dtype=np.int64)
-            last = [i for i, _, e in chunk if e == lengths[i]]  # segments that end the text
             hidden = self._forward(ids, positions, query_lens, seq_lens,
-                                   batch.rows[rows_in], block_table)
-            if last:
-                ends = np.cumsum(query_lens) - 1
-                pick = [int(ends[k]) for k, (i, _, e) in enumerate(chunk) if e == lengths[i]]
-                new, conf = self._sample(hidden[pick])
-                for i, t, c in zip(last, new, conf):
-                    tokens[i].append(t)
-                    confs[i].append(c)
+                                   batch.rows[[i for i, _, _ in chunk]], block_table)
+            ends = np.cumsum(query_lens) - 1
+            last_of = [(i, int(ends[k])) for k, (i, _, e) in enumerate(chunk) if e == lengths[i]]
+            if last_of:  # segments that end the text yield the first draft token
+                pick = self._to_device(np.array([row for _, row in last_of], dtype=np.int64))
+                keep([i for i, _ in last_of], *self._sample(hidden[pick]))
             for i, _, e in chunk:
                 self._synced[batch.req_ids[i]] = e
-            result.passes.append(PassTiming(len(ids), len(chunk), time.perf_counter() - t0,
-                                            first=True))
+            clock.stop(len(ids), len(chunk), first=True)
         # Further forwards: one token per request still going, fed back at the next position.
         active = [i for i in todo if batch.caps[i] > 1 and lengths[i] + 1 < self.max_context]
         step = 1
         while active:
             if stop is not None:
-                spent = sum(p.seconds for p in result.passes)
-                active = [i for i in stop(active, confs, spent)
-                          if len(tokens[i]) < batch.caps[i]]
+                active = [i for i in stop(active, confs, clock.spent_s())
+                          if drafted[i] < batch.caps[i]]
             if not active:
                 break
-            t0 = time.perf_counter()
-            ids = np.array([tokens[i][-1] for i in active], dtype=np.int64)
+            clock.start()
             positions = lengths[active] - 1 + step
-            hidden = self._forward(ids, positions, np.ones(len(active), dtype=np.int64),
+            hidden = self._forward(last[self._to_device(np.asarray(active, dtype=np.int64))],
+                                   positions, np.ones(len(active), dtype=np.int64),
                                    positions + 1, batch.rows[active], block_table)
-            new, conf = self._sample(hidden)
-            for i, t, c in zip(active, new, conf):
-                tokens[i].append(t)
-                confs[i].append(c)
-            result.passes.append(PassTiming(len(active), len(active),
-                                            time.perf_counter() - t0, first=False))
+            keep(active, *self._sample(hidden))
+            clock.stop(len(active), len(active), first=False)
             step += 1
-            active = [i for i in active if len(tokens[i]) < batch.caps[i]
+            active = [i for i in active if drafted[i] < batch.caps[i]
                       and lengths[i] + step < self.max_context]
+        self._collect(sampled, result, with_confidences=stop is None)
+        result.passes = clock.passes()
         return result
 
-    def _forward(self, ids: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
-                 seq_lens: np.ndarray, rows: np.ndarray, block_table: torch.Tensor
-                 ) -> torch.Tensor:
-        """One forward of the drafter: ``ids`` at ``positions``, requests laid out by
-        ``query_lens``, attending to ``seq_lens`` positions each through ``block_table[rows]``;
-        the KV of every input position is written. Returns [num_tokens, hidden] states."""
-        device = self.device
-        num_tokens = len(ids)
+    @staticmethod
+    def _collect(sampled: list[tuple[list[int], torch.Tensor, torch.Tensor]],
+                 result: DraftResult, with_confidences: bool) -> None:
+        """Every forward's tokens (and confidences) to the host in one copy, in order."""
+        if not sampled:
+            return
+        values = torch.cat([torch.stack((t.double(), c.double())) for _, t, c in sampled],
+                           dim=1).tolist()  # token ids are exact in float64
+        k = 0
+        for reqs, _, _ in sampled:
+            for i in reqs:
+                result.tokens[i].append(int(values[0][k]))
+                if with_confidences:
+                    result.confidences[i].append(values[1][k])
+                k += 1
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the drafter's device without a host sync: a pinned staging copy and a
+        non-blocking transfer (a pageable one would wait for the device)."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _forward(self, ids: np.ndarray | torch.Tensor, positions: np.ndarray,
+                 query_lens: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray,
+                 block_table: torch.Tensor) -> torch.Tensor:
+        """One forward of the drafter: ``ids`` (host, or already on the device) at
+        ``positions``, requests laid out by ``query_lens``, attending to ``seq_lens`` positions
+        each through ``block_table[rows]``; the KV of every input position is written. Returns
+        [num_tokens, hidden] states."""
+        num_tokens = len(positions)
         bs = self.block_size
-        table = block_table[torch.from_numpy(np.asarray(rows, dtype=np.int64))]
-        req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
-        table_np = table.cpu().numpy() if table.device.type != "cpu" else table.numpy()
-        slots = (table_np[req_of_token, positions // bs].astype(np.int64) * bs
-                 + positions % bs)
         query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start[1:])
-        qsl_cpu = torch.from_numpy(query_start)
-        seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        slot_mapping = torch.from_numpy(slots).to(device)
+        seq_lens32 = seq_lens.astype(np.int32)
+        table = block_table[self._to_device(np.asarray(rows, dtype=np.int64))]
+        pos = self._to_device(positions.astype(np.int64))
+        req_of_token = self._to_device(np.repeat(np.arange(len(query_lens)), query_lens))
+        slot_mapping = table[req_of_token, pos // bs].to(torch.int64) * bs + pos % bs
         metadata = CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(device),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_cpu.to(device),
-            seq_lens_cpu_upper_bound=seq_cpu,
+            query_start_loc=self._to_device(query_start),
+            query_start_loc_cpu=torch.from_numpy(query_start),
+            seq_lens=self._to_device(seq_lens32),
+            seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens32),
             num_reqs=len(query_lens),
             num_actual_tokens=num_tokens,
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            block_table_tensor=table.to(device),
+            block_table_tensor=table,
             slot_mapping=slot_mapping,
             causal=True,
         )
         _, per_layer = self.build_per_group_and_layer_attn_metadata(metadata)
-        input_ids = torch.from_numpy(ids.astype(np.int32)).to(device)
-        pos = torch.from_numpy(positions.astype(np.int64)).to(device)
+        input_ids = (ids.to(torch.int32) if isinstance(ids, torch.Tensor)
+                     else self._to_device(ids.astype(np.int32)))
         with set_forward_context(per_layer, self.vllm_config, num_tokens=num_tokens,
                                  slot_mapping={name: slot_mapping
                                                for name in self._draft_attn_layer_names}):
             return self.model(input_ids=input_ids, positions=pos)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, vocab] logits; with ``draft_vocab_size``, of the first tokens only (the output
-        layer's first rows: a plain matrix product, when the model's logits are one)."""
-        limit = self.spec.draft_vocab_size
+        """[n, vocab] logits over the ids this drafter may draft: below the target's vocabulary
+        size (a drafter whose embedding is padded further must not draft ids the target has no
+        row for) and below ``draft_vocab_size``. Where the limit cuts the output layer short and
+        the model's logits are a plain matrix product, only its first rows are computed."""
+        limit = self.vocab_limit
         head = getattr(self.model, "lm_head", None)
         processor = getattr(self.model, "logits_processor", None)
         weight = getattr(head, "weight", None)
-        if (limit is None or weight is None or processor is None
+        if (weight is None or processor is None
                 or getattr(processor, "soft_cap", None) is not None
                 or getattr(processor, "scale", 1.0) != 1.0
                 or getattr(head, "bias", None) is not None or limit >= weight.shape[0]):
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+            return logits[:, :limit] if logits.shape[-1] > limit else logits
         return torch.nn.functional.linear(hidden, weight[:limit])
 
-    def _sample(self, hidden: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Greedy tokens and the drafter's probability of each."""
+    def _sample(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy tokens [n] and the drafter's probability of each [n], on the device."""
         logits = self._logits(hidden).float()
-        probs = torch.softmax(logits, dim=-1)
-        conf, token = probs.max(dim=-1)
-        return token.tolist(), conf.tolist()
+        conf, token = torch.softmax(logits, dim=-1).max(dim=-1)
+        return token, conf
+
+
+class FatalDrafterError(RuntimeError):
+    """A drafter's error that the engine cannot survive (see `is_fatal_device_error`)."""
+
+
+#: The CUDA (and HIP) errors that are sticky: once raised, every later kernel of the process
+#: fails too (cudaErrorAssert, IllegalAddress, LaunchFailure, IllegalInstruction,
+#: MisalignedAddress, InvalidPc, HardwareStackError, ECCUncorrectable, LaunchTimeout,
+#: InvalidAddressSpace), as cudaGetErrorString words them.
+_STICKY_DEVICE_ERRORS = (
+    "device-side assert triggered",
+    "an illegal memory access was encountered",
+    "unspecified launch failure",
+    "an illegal instruction was encountered",
+    "misaligned address",
+    "invalid program counter",
+    "hardware stack error",
+    "uncorrectable ecc error encountered",
+    "the launch timed out and was terminated",
+    "operation not supported on global/shared address space",
+)
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a device error the process cannot go on after (torch raises CUDA
+    errors as RuntimeError, or its subclass AcceleratorError)."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(phrase in text for phrase in _STICKY_DEVICE_ERRORS)
+
+
+class _PassClock:
+    """The seconds of each forward of one draft, without a host sync per forward: host time on
+    CPU (each forward is done when it returns); on a CUDA device, device events, read once the
+    drafts are on the host (the stream has then run them all)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = device.type == "cuda"
+        self._open: Any = None
+        self._passes: list[tuple[int, int, bool, Any, Any]] = []
+
+    def _now(self) -> Any:
+        if not self._events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._open = self._now()
+
+    def stop(self, num_tokens: int, num_reqs: int, first: bool) -> None:
+        self._passes.append((num_tokens, num_reqs, first, self._open, self._now()))
+
+    def _seconds(self, begin: Any, end: Any) -> float:
+        if not self._events:
+            return end - begin
+        end.synchronize()  # already done when called after a copy to the host
+        return begin.elapsed_time(end) / 1000.0
+
+    def spent_s(self) -> float:
+        """Seconds of the forwards so far (for a stop rule, after it read the confidences)."""
+        return sum(self._seconds(b, e) for *_, b, e in self._passes)
+
+    def passes(self) -> list[PassTiming]:
+        return [PassTiming(t, r, self._seconds(b, e), first) for t, r, first, b, e
+                in self._passes]
 
     # -- warm-up (called once the KV cache exists) ---------------------------------------------
     @torch.inference_mode()
@@ -362,7 +522,8 @@ class InWorkerDrafter(DraftModelProposer):
                     hidden = self._forward(ids, positions, query_lens, seq_lens,
                                            np.arange(num_reqs), table)
                     ends = np.cumsum(query_lens) - 1
-                    self._sample(hidden[torch.from_numpy(ends)])
+                    token, _ = self._sample(hidden[self._to_device(ends)])
+                    token.tolist()  # waits for the device: the call's whole time
                     calls.append((num_reqs * each, time.perf_counter() - t0))
         except Exception as exc:  # noqa: BLE001 - an optimisation must never stop the engine
             logger.warning("Smurfs in-worker drafter %s: warm-up stopped after %d forwards: %s",

@@ -188,6 +188,9 @@ class FixedLookahead:
     def forget(self, req_ids: Iterable[str]) -> None:
         return None
 
+    def step_lost(self) -> None:
+        return None
+
     def snapshot(self) -> dict[str, Any]:
         rate = self.total_accepted / self.total_drafted if self.total_drafted else None
         return {"policy": "fixed", "num_speculative_tokens": self.num_speculative_tokens,
@@ -327,6 +330,11 @@ class LengthController:
         self.acceptance_free.forget(req_ids)
         for model in self.acceptance_models.values():
             model.forget(req_ids)
+
+    def step_lost(self) -> None:
+        """The last plan's step was verified unseen (vLLM skipped propose after it): its outcome
+        never comes, and its predicted drafts are not held against the next step's."""
+        self._pending = None
 
     # -- costs ---------------------------------------------------------------------------------
     def _target(self, streaming: bool) -> StepCostModel:

@@ -572,3 +572,52 @@ class SmurfsProposer:
             return
         self._last_log = time.monotonic()
         logger.info("Smurfs drafters: %s", json.dumps(self.get_stats()))
+
+    # -- request lifecycle: called by patches.model_runner_execute and the tests ----------------
+    def propose_skipped(self) -> None:
+        """vLLM ran a target step and did not call `propose` after it (a step with a request
+        within num_speculative_tokens of max_model_len, or one that the engine core could not
+        draft for). The drafts sent for that step were verified without us seeing the outcome:
+        none may be scored later against another step's tokens, and the next step is not timed
+        from our last return (two steps apart)."""
+        for state in self._states.values():
+            state.drafts = state.voted = state.confidences = state.free_chain = None
+            state.models = False
+        self.controller.step_lost()
+        self._returned_at = None
+
+    def live_request_state(self) -> dict[str, int]:
+        """Per-request entries held now, by holder: nothing may outlive its request (the tests
+        check it after generate() calls). 'pending_drafts': requests holding a draft that awaits
+        its verification."""
+        return {
+            "requests": len(self._states),
+            "pending_drafts": sum(s.voted is not None for s in self._states.values()),
+            "controller": _per_request_entries(self.controller),
+            "drafters": sum(_per_request_entries(d, depth=0)
+                            for d in getattr(self.worker, "drafters", ())),
+        }
+
+
+#: Attributes that hold one entry per live request, in the proposer's parts (the controller's
+#: acceptance models, the drafters' paths and catch-up positions).
+_PER_REQUEST_ATTRIBUTES = ("_requests", "_last_drafted", "expected", "_synced", "_paths", "_live",
+                           "_sent")
+
+
+def _per_request_entries(holder: Any, depth: int = 2) -> int:
+    """Entries of `_PER_REQUEST_ATTRIBUTES` in ``holder`` and its parts, ``depth`` levels down."""
+    try:
+        attributes = vars(holder)
+    except TypeError:
+        return 0
+    count = 0
+    for name, value in attributes.items():
+        if name in _PER_REQUEST_ATTRIBUTES and isinstance(value, (dict, set)):
+            count += len(value)
+        elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, type):
+            count += _per_request_entries(value, depth - 1)
+        elif depth > 0 and isinstance(value, dict):  # parts kept by key (acceptance models)
+            count += sum(_per_request_entries(v, depth - 1) for v in value.values()
+                         if hasattr(v, "__dict__") and not isinstance(v, type))
+    return count

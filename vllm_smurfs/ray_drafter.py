@@ -25,14 +25,13 @@ worker of vLLM's Ray executor is) it is used; otherwise a local one is started o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from vllm_smurfs import cores
@@ -44,6 +43,13 @@ from vllm_smurfs.drafter_client import (
     ModelDrafterClient,
 )
 from vllm_smurfs.drafter_protocol import Ready, Shutdown, StartFailed
+from vllm_smurfs.ray_cluster import (  # noqa: F401 - connect and disconnect used to live here
+    RAY_NAMESPACE,
+    connect,
+    disconnect,
+    placement_problem,
+    requested_resources,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,68 +58,65 @@ MAX_REPLACEMENTS = 3
 #: Pushes not yet taken by the actor beyond which a message is refused (as a full socket refuses
 #: one): a drafter that is behind is skipped, not queued without bound.
 MAX_PUSHES_IN_FLIGHT = 4 * MAX_MESSAGES_IN_FLIGHT
-RAY_NAMESPACE = "vllm-smurfs"
+#: Ray resource names of devices (`vllm.platforms.Platform.ray_device_key`) asked for as num_gpus.
+_NUM_GPUS_KEY = "GPU"
 
 
-# -- the cluster ---------------------------------------------------------------------------------
-class _Connection:
-    """Whether this process connected to Ray for the drafters (then it disconnects, and stops the
-    local cluster it started, when the last Ray drafter closes)."""
+# -- the actor's options -------------------------------------------------------------------------
+def actor_options(ray_options: Mapping[str, Any] | None, num_threads: int, device_key: str,
+                  gpu_fraction: float, environ: Mapping[str, str], name: str = "drafter"
+                  ) -> dict[str, Any]:
+    """The options the drafter's actor is made with: ``ray_options`` as the user gave them,
+    completed.
 
-    lock = threading.Lock()
-    users = 0
-    ours = False
-
-
-def connect(cpus: Sequence[int] | None = None) -> Any:
-    """The `ray` module, connected: to the running cluster, or to a local one started here.
-    ``cpus``: the cores Ray's processes and threads started here go on (the drafters' cores,
-    off the target's); default: every core this process may use."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise RuntimeError(
-            "speculative_config.drafters[].placement 'ray' needs Ray: install the extra, "
-            "pip install -e '.[cpu,ray]' (or '.[gpu,ray]')") from exc
-    with _Connection.lock:
-        _Connection.users += 1
-        if ray.is_initialized():
-            return ray
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        common = dict(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=True,
-                      configure_logging=False)
-        with _on_cores(cpus):
-            try:
-                ray.init(address="auto", **common)
-                logger.info("Smurfs: Ray drafters use the running Ray cluster")
-            except ConnectionError:
-                _loopback_only()
-                ray.init(num_cpus=os.cpu_count() or 1, _node_ip_address="127.0.0.1",
-                         **common)
-                logger.info("Smurfs: started a local Ray cluster on 127.0.0.1 for the drafters")
-        _Connection.ours = True
-        return ray
-
-
-@contextlib.contextmanager
-def _on_cores(cpus: Sequence[int] | None) -> Iterator[None]:
-    """Run the block on ``cpus`` (default: every core this process may use). The calling thread
-    may be bound to the target's cores (vLLM and OpenMP bind its compute threads, the main one
-    included), and Ray's processes and threads started from it inherit its cores: there they
-    would take time from the target's step."""
-    try:
-        before = os.sched_getaffinity(0)
-        # The kernel keeps the allowed ones of the cores asked for.
-        os.sched_setaffinity(0, cpus or range(os.cpu_count() or 1))
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
+    - No CPU reserved unless asked (``num_cpus: 0``).
+    - Placed by the cluster (``scheduling_strategy: "DEFAULT"``) unless asked otherwise: an actor
+      made by a worker of vLLM's Ray executor would otherwise land in that worker's placement
+      group, whose bundles hold the target's devices only.
+    - On a GPU target (``device_key``: the platform's Ray resource, "" on CPU), a drafter whose
+      options name no device gets ``gpu_fraction`` of one (its gpu_memory_utilization): with
+      none, Ray reserves nothing for it (and Ray 2.60 no longer hides the node's GPUs from such
+      an actor), so its engine would land on whatever device 0 is. ``num_gpus: 0`` is refused.
+    - OpenMP not bound to the target's places, and the device Ray gives it visible: an actor made
+      by a worker of vLLM's Ray executor inherits that worker's environment, in which Ray is
+      told not to set the visible devices (the worker picks its own by rank).
+    """
+    options = dict(ray_options or {})
+    env = dict(options.pop("runtime_env", None) or {})
+    env_vars = {**env.get("env_vars", {}), "OMP_NUM_THREADS": str(num_threads),
+                "OMP_PROC_BIND": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "RAY_USAGE_STATS_ENABLED": "0"}
+    for key in environ:
+        if key.startswith("RAY_EXPERIMENTAL_NOSET_"):
+            env_vars.setdefault(key, "0")
+    options["runtime_env"] = {**env, "env_vars": env_vars}
+    options.setdefault("num_cpus", 0)
+    options.setdefault("scheduling_strategy", "DEFAULT")
+    if device_key:
+        resources = dict(options.get("resources") or {})
+        if device_key == _NUM_GPUS_KEY and "num_gpus" in options and not options["num_gpus"]:
+            raise ValueError(
+                f"speculative_config.drafters[] {name!r}: ray_options num_gpus is 0, but the "
+                "target runs on a GPU and so does the drafter's engine: Ray would reserve no "
+                "GPU for it. Set num_gpus to the share of a GPU it may use (e.g. 0.1; "
+                "gpu_memory_utilization sets its memory) or leave num_gpus out (then it asks "
+                "for gpu_memory_utilization of one)")
+        if device_key == _NUM_GPUS_KEY and "num_gpus" not in options and not resources.get(
+                device_key):
+            options["num_gpus"] = gpu_fraction
+        elif device_key != _NUM_GPUS_KEY and not resources.get(device_key):
+            options["resources"] = {**resources, device_key: gpu_fraction}
+    return options
 
 
+def _target_device_key() -> str:
+    """The Ray resource of the target's device ("GPU" on CUDA and ROCm; "" on CPU)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.ray_device_key or ""
+
+
+# -- the actor -----------------------------------------------------------------------------------
 def _pin_process(cpus: Sequence[int]) -> None:
     """Every thread of this process (Ray's own included) on ``cpus``; threads started later
     inherit it from the thread that starts them."""
@@ -124,31 +127,6 @@ def _pin_process(cpus: Sequence[int]) -> None:
             pass  # a thread that ended meanwhile
 
 
-def _loopback_only() -> None:
-    """Keep a local cluster on 127.0.0.1: Ray turns 127.0.0.1 into the machine's address (and
-    its servers then listen on every interface) unless multi-node clusters are off, which the
-    setting below does, despite its name, on Linux too. Read by Ray at import time: set for the
-    processes the cluster starts, and in this process, where Ray is imported already (ray 2.x)."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    from ray._private import ray_constants
-
-    ray_constants.ENABLE_RAY_CLUSTER = False
-
-
-def disconnect() -> None:
-    """One Ray drafter less; the last one disconnects (stopping the cluster started here)."""
-    with _Connection.lock:
-        _Connection.users = max(0, _Connection.users - 1)
-        if _Connection.users or not _Connection.ours:
-            return
-        _Connection.ours = False
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-
-
-# -- the actor -----------------------------------------------------------------------------------
 class _QueueConnection:
     """What `drafter_server.serve` reads and writes, for an actor: messages the client pushed
     come from a queue; what the server sends waits in an outbox for the client's stream."""
@@ -214,6 +192,12 @@ class RayDrafterActor:
         self._server.start()
         answer.info.update(node_id=node_id, node_ip=ray.util.get_node_ip_address())
         return answer
+
+    async def node_id(self) -> str:
+        """The node it runs on: answered once the cluster has placed it (and its process runs)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     async def push(self, seq: int, message: Any) -> None:
         """Message ``seq`` (0, 1, ...) of the client's. An async actor may run calls out of the
@@ -304,40 +288,75 @@ class RayDrafterClient(ModelDrafterClient):
         self._ray: Any = None
         self._actor: Any = None
         self._starting: Any = None  # the ref of the start() call while the actor starts
+        self._placed: Any = None  # the ref of a call answered once the actor runs on a node
+        self._asks: dict[str, float] = {}  # the resources the actor asks for
+        self._launched_at = 0.0
+        self._unplaced_reported = False
         self._pid: int | None = None  # the actor's process, when it runs on this node
         self._fault = os.environ.get("SMURFS_DRAFTER_FAULT", "")
         self.replacements = 0
         self._was_ready = False
 
     def start(self) -> None:
-        self._ray = connect(self._engine_spec["cpus"])
+        self._ray = connect(self._engine_spec["cpus"], self.spec.cluster_address)
         self._engine_spec["client_node_id"] = self._ray.get_runtime_context().get_node_id()
         self._engine_spec["num_threads"] = self.num_threads
-        self._launch()
+        try:
+            self._launch()
+        except BaseException:
+            self.close()
+            raise
 
     def _launch(self) -> None:
-        options = dict(self.spec.ray_options or {})
-        env = dict(options.pop("runtime_env", None) or {})
-        # The actor's process inherits the environment of Ray's processes, which may be the
-        # target's (when its worker started the cluster): OpenMP must not bind the drafter's
-        # threads to the target's places (see `RayDrafterActor.start` for its own cores).
-        env["env_vars"] = {**env.get("env_vars", {}), "OMP_NUM_THREADS": str(self.num_threads),
-                           "OMP_PROC_BIND": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                           "RAY_USAGE_STATS_ENABLED": "0"}
-        options.setdefault("num_cpus", 0)
+        options = actor_options(self.spec.ray_options, self.num_threads, _target_device_key(),
+                                self.spec.gpu_memory_utilization, os.environ, self.name)
+        if "num_gpus" not in (self.spec.ray_options or {}) and options.get("num_gpus"):
+            logger.info("Smurfs drafter %s: the target runs on a GPU and ray_options name no "
+                        "num_gpus: its Ray actor asks for %s of a GPU (gpu_memory_utilization)",
+                        self.name, options["num_gpus"])
         actor_class = self._ray.remote(RayDrafterActor)
-        self._actor = actor_class.options(runtime_env=env, max_concurrency=8,
-                                          **options).remote()
+        self._actor = actor_class.options(max_concurrency=8, **options).remote()
+        self._asks = requested_resources(options)
+        self._placed = self._actor.node_id.remote()
+        self._launched_at = time.monotonic()
+        self._unplaced_reported = False
         # A fault injected for the tests hits the first actor only: its replacement rejoins.
         fault, self._fault = self._fault, ""
         self._starting = self._actor.start.remote(self._engine_spec, fault)
 
     def wait_ready(self, timeout_s: float) -> None:
-        ready, _ = self._ray.wait([self._starting], timeout=timeout_s)
+        """Wait for the actor to be placed (at most ``draft_timeout_s``: a cluster that cannot
+        place it is reported, and the engine goes on without it), then for its engine."""
+        deadline = time.monotonic() + timeout_s
+        if not self._wait_placed(min(timeout_s, self.hang_timeout_s)):
+            return
+        ready, _ = self._ray.wait([self._starting], timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             self._fail(f"Ray actor not ready within {timeout_s:.0f} s")
             return
         self._take_start()
+
+    def _wait_placed(self, timeout_s: float) -> bool:
+        """Whether the actor runs on a node, waiting up to ``timeout_s``; if not, it is reported
+        (at once when no node of the cluster has the resources it asks for)."""
+        problem = placement_problem(self._asks, self._ray.nodes())
+        if problem is None:
+            ready, _ = self._ray.wait([self._placed], timeout=timeout_s)
+            if ready:
+                return True
+        self._report_unplaced(problem, timeout_s)
+        return False
+
+    def _report_unplaced(self, problem: str | None, waited_s: float) -> None:
+        if problem is None:
+            problem = (f"none placed it within {waited_s:g} s (the nodes that have them are "
+                       "busy, or its scheduling strategy rules them out)")
+        self._unplaced_reported = True
+        reason = f"its Ray actor is not placed: it asks for {self._asks}; {problem}"
+        logger.error("Smurfs drafter %s: %s. Speculation goes on without it; it joins if the "
+                     "cluster places it later.", self.name, reason)
+        self.health.alive = False
+        self.health.last_error = reason
 
     def _take_start(self) -> None:
         starting, self._starting = self._starting, None
@@ -352,11 +371,12 @@ class RayDrafterClient(ModelDrafterClient):
         self._channel = RayChannel(self._ray, self._actor)  # type: ignore[assignment]
         info = answer.info
         self._pid = info["pid"] if info["node_id"] == self._engine_spec["client_node_id"] else None
-        self.health.extra.update(info, placement="ray", replacements=self.replacements)
-        self._last_heard = time.monotonic()
+        self._took_ready({**info, "placement": "ray", "replacements": self.replacements})
         self._was_ready = True
-        logger.info("Smurfs drafter %s ready as a Ray actor: node %s, pid %s, cpus %s, %.1f s%s",
-                    self.name, info["node_ip"], info["pid"], info["cpus"], info["load_s"],
+        logger.info("Smurfs drafter %s ready as a Ray actor: node %s (%s, %s), pid %s, cpus %s, "
+                    "%.1f s%s", self.name, info["node_ip"], info["node_id"][:12],
+                    "the target's node" if self._pid is not None else "another node",
+                    info["pid"], info["cpus"], info["load_s"],
                     f" (replacement {self.replacements})" if self.replacements else "")
 
     def poll(self, timeout: float = 0.0) -> bool:
@@ -366,18 +386,30 @@ class RayDrafterClient(ModelDrafterClient):
                 self._take_start()
                 if self._channel is not None:  # rejoined
                     self.health.alive = True
+            elif (not self._unplaced_reported
+                  and time.monotonic() - self._launched_at > self.hang_timeout_s
+                  and not self._ray.wait([self._placed], timeout=0)[0]):
+                # A replacement that the cluster does not place (its node is gone): reported.
+                self._report_unplaced(placement_problem(self._asks, self._ray.nodes()),
+                                      self.hang_timeout_s)
             return False
         return super().poll(timeout)
 
     def close(self) -> None:
         self._thaw()
         actor, self._actor = self._actor, None
+        running = self._channel is not None
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        self._starting = self._placed = None
         if actor is not None and self._ray is not None:
+            if running:  # its engine shuts down cleanly; an actor not placed is only killed
+                try:
+                    self._ray.get(actor.stop.remote(), timeout=15)
+                except Exception:  # noqa: BLE001 - gone already
+                    pass
             try:
-                self._ray.get(actor.stop.remote(), timeout=15)
                 self._ray.kill(actor)
             except Exception:  # noqa: BLE001 - gone already (or Ray shut down at exit first)
                 pass
@@ -387,8 +419,9 @@ class RayDrafterClient(ModelDrafterClient):
 
     def _stoppable_pid(self) -> int | None:
         # Stopped while paused, as a process drafter is, only when the actor runs on this node
-        # (it may share the target's cores); a remote actor idles once it has taken the pause.
-        return self._pid
+        # and shares the target's cores (`stops_when_paused`); a remote actor idles once it has
+        # taken the pause.
+        return self._pid if self._stop_on_pause else None
 
     def _fail(self, reason: str) -> None:
         if self._frozen:

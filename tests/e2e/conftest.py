@@ -8,11 +8,31 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from smurfs_tools.jobs import Job, Result, run_job
 from smurfs_tools.tiny_models import TINY_PROMPTS, TinyFamily, build_tiny_family
+
+
+def _identity_env() -> dict[str, str]:
+    """What token-for-token comparisons need on this machine's platform (`gpu_check.identity_env`:
+    nothing on CPU, vLLM's batch-invariant kernels on a GPU), asked of vLLM in a process of its
+    own (this one imports no vLLM)."""
+    out = subprocess.run([sys.executable, "-m", "smurfs_tools.gpu_check", "identity-env"],
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"could not ask vLLM for its platform:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.splitlines()[-1])["env"]
+
+
+# Every engine of the suite runs in a child process, which inherits these (a value set by hand,
+# e.g. VLLM_BATCH_INVARIANT=0, is kept).
+for _key, _value in _identity_env().items():
+    os.environ.setdefault(_key, _value)
 
 # Different budgets per prompt, so some requests finish early while others keep going.
 MAX_TOKENS = [8, 64, 16, 64, 3, 48, 64, 32]

@@ -346,3 +346,20 @@ def test_fixed_lookahead_drafts_everything_with_every_drafter():
     assert plan.lookaheads == [3, 3, 3, 1]
     assert plan.model_rows == [[0, 1, 3], [2]]  # drafter 1 can draft only for "t"
     assert plan.streaming
+
+
+def test_a_lost_step_is_not_held_against_the_next():
+    # vLLM skipped propose after a step (the proposer calls step_lost): the drafts planned for
+    # it were verified unseen, so the next outcome (nothing verified) must not lower the yield.
+    c = measured()
+    teach(c, "r", models=0.9)
+    plan = c.plan([req(free_len=0)], K)
+    assert plan.models and plan.expected_tokens > 1.5
+    before = c.snapshot()["yield"]
+    c.step_lost()
+    c.observe([RequestOutcome("r")])
+    assert c.snapshot()["yield"] == before
+    # Without step_lost the same outcome counts as a plan that yielded nothing.
+    c.plan([req(free_len=0)], K)
+    c.observe([RequestOutcome("r")])
+    assert c.snapshot()["yield"]["models"] < before["models"]

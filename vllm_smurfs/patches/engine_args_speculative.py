@@ -3,10 +3,11 @@
 Why: vLLM's `SpeculativeConfig` forbids unknown methods and keys (``drafters``, ``vote``...), and
 a ``custom_class`` proposer only receives the `VllmConfig`.
 How: when the user's dict says ``method: smurfs``, validate it as a `SmurfsConfig`, check the
-drafters against the target (paths, vocabulary, what vLLM can host in the target's worker and
+drafters against the target (paths, tokenizer, what vLLM can host in the target's worker and
 its KV cache space; `engine_setup`), default the target to every core on CPU, store it in ``additional_config["smurfs"]``
 (vLLM's channel for plugin settings; it reaches every worker and enters the config hash), and
 hand vLLM the equivalent ``custom_class`` config. Every other config passes through untouched.
+Refuses vLLM's V2 model runner (the patches target the V1 runner).
 When it can go: when vLLM lets plugins register speculative methods with their own config.
 """
 
@@ -38,10 +39,12 @@ def translate(engine_args: Any, target_model_config: Any,
             "the tokens each step sampled before it drafts the next (it scores every drafter "
             "against them); async scheduling hands the proposer placeholders instead. Leave "
             "async_scheduling unset or false.")
+    engine_setup.check_model_runner()
     smurfs.check_against_target(
         target_model_config.model,
         target_model_config.get_vocab_size(),
         trust_remote_code=target_model_config.trust_remote_code,
+        target_tokenizer=getattr(target_model_config, "tokenizer", None),
     )
     engine_setup.check_parallelism(smurfs, target_parallel_config)
     engine_setup.check_in_worker_drafters(smurfs, target_model_config,

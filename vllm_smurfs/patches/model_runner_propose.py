@@ -6,7 +6,11 @@ state, vote weights and the previous draft per request, so it needs all of these
 How: before vLLM's own body runs, hand the proposer a `StepContext` built from
 ``input_batch.req_ids`` and the scheduler output (lifecycle events, lookahead cap, drafts
 verified, tokens computed) and the runner itself (in-worker drafters address their KV cache
-through its block tables). The CPU runner inherits this method.
+through its block tables), and mark the step's propose call as come (`model_runner_execute`
+tells the proposer of the steps vLLM skips it in). After it, cut each draft before its first id
+the target has no row for: drafters share the target's tokenizer, but a drafter's embedding may
+be padded past the target's (the target's rejection sampler indexes its logits with the draft).
+The CPU runner inherits this method.
 When it can go: when vLLM passes request ids and lifecycle events to custom proposers.
 """
 
@@ -16,28 +20,32 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_smurfs.patches._patching import original, replace_attribute
 from vllm_smurfs.proposer import SmurfsProposer, StepContext
+from vllm_smurfs.runner_hooks import mark_proposed, within_vocabulary
 
 TARGET = GPUModelRunner
 NAME = "propose_draft_token_ids"
 
 
 def _propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-    if isinstance(self.drafter, SmurfsProposer):
-        cached = scheduler_output.scheduled_cached_reqs
-        self.drafter.begin_step(
-            StepContext(
-                req_ids=list(self.input_batch.req_ids),
-                finished_req_ids=frozenset(scheduler_output.finished_req_ids),
-                restarted_req_ids=frozenset(
-                    set(cached.resumed_req_ids) | set(scheduler_output.preempted_req_ids or ())
-                ),
-                max_spec_tokens=scheduler_output.num_spec_tokens_to_schedule,
-                verified_drafts=scheduler_output.scheduled_spec_decode_tokens,
-                num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
-                runner=self,
-            )
+    if not isinstance(self.drafter, SmurfsProposer):
+        return original(TARGET, NAME)(self, scheduler_output, *args, **kwargs)
+    mark_proposed(self)
+    cached = scheduler_output.scheduled_cached_reqs
+    self.drafter.begin_step(
+        StepContext(
+            req_ids=list(self.input_batch.req_ids),
+            finished_req_ids=frozenset(scheduler_output.finished_req_ids),
+            restarted_req_ids=frozenset(
+                set(cached.resumed_req_ids) | set(scheduler_output.preempted_req_ids or ())
+            ),
+            max_spec_tokens=scheduler_output.num_spec_tokens_to_schedule,
+            verified_drafts=scheduler_output.scheduled_spec_decode_tokens,
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            runner=self,
         )
-    return original(TARGET, NAME)(self, scheduler_output, *args, **kwargs)
+    )
+    drafts = original(TARGET, NAME)(self, scheduler_output, *args, **kwargs)
+    return within_vocabulary(drafts, self.model_config.get_vocab_size())
 
 
 def apply() -> bool:
