@@ -427,6 +427,40 @@ class InWorkerDrafter(DraftModelProposer):
         conf, token = torch.softmax(logits, dim=-1).max(dim=-1)
         return token, conf
 
+    # -- warm-up (called once the KV cache exists) ---------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self, max_lookahead: int) -> list[tuple[int, float]]:
+        """Run the forwards drafting will run, each shape twice, and return every call's
+        ``(tokens, seconds)``: the first call at a shape builds its kernels (oneDNN primitives on
+        CPU, compilation on GPU) and says nothing of its cost; the second is the controller's
+        first measurement. Shapes: one request catching up 1 to ``max_lookahead + 2`` tokens
+        (the first forward after a step it drafted in) and 16 to 512 (after a pause, a prompt);
+        2 to 8 requests extended by one token each. The KV writes go to block 0, vLLM's null block,
+        which no request owns. Best effort: a failure ends the warm-up with a log line."""
+        calls: list[tuple[int, float]] = []
+        bs = self.block_size
+        table = torch.zeros((8, 512 // bs + 2), dtype=torch.int32, device=self.device)
+        shapes = ([(1, c) for c in range(1, max_lookahead + 3)]
+                  + [(1, c) for c in (16, 32, 64, 128, 256, 512)] + [(m, 1) for m in range(2, 9)])
+        try:
+            for num_reqs, each in shapes:
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    ids = np.zeros(num_reqs * each, dtype=np.int64)
+                    positions = np.tile(np.arange(each), num_reqs) + (0 if num_reqs == 1 else 8)
+                    query_lens = np.full(num_reqs, each, dtype=np.int64)
+                    seq_lens = query_lens + (0 if num_reqs == 1 else 8)
+                    hidden = self._forward(ids, positions, query_lens, seq_lens,
+                                           np.arange(num_reqs), table)
+                    ends = np.cumsum(query_lens) - 1
+                    token, _ = self._sample(hidden[self._to_device(ends)])
+                    token.tolist()  # waits for the device: the call's whole time
+                    calls.append((num_reqs * each, time.perf_counter() - t0))
+        except Exception as exc:  # noqa: BLE001 - an optimisation must never stop the engine
+            logger.warning("Smurfs in-worker drafter %s: warm-up stopped after %d forwards: %s",
+                           self.name, len(calls), exc)
+        return calls
+
 
 class FatalDrafterError(RuntimeError):
     """A drafter's error that the engine cannot survive (see `is_fatal_device_error`)."""
@@ -495,40 +529,6 @@ class _PassClock:
     def passes(self) -> list[PassTiming]:
         return [PassTiming(t, r, self._seconds(b, e), first) for t, r, first, b, e
                 in self._passes]
-
-    # -- warm-up (called once the KV cache exists) ---------------------------------------------
-    @torch.inference_mode()
-    def warm_up(self, max_lookahead: int) -> list[tuple[int, float]]:
-        """Run the forwards drafting will run, each shape twice, and return every call's
-        ``(tokens, seconds)``: the first call at a shape builds its kernels (oneDNN primitives on
-        CPU, compilation on GPU) and says nothing of its cost; the second is the controller's
-        first measurement. Shapes: one request catching up 1 to ``max_lookahead + 2`` tokens
-        (the first forward after a step it drafted in) and 16 to 512 (after a pause, a prompt);
-        2 to 8 requests extended by one token each. The KV writes go to block 0, vLLM's null block,
-        which no request owns. Best effort: a failure ends the warm-up with a log line."""
-        calls: list[tuple[int, float]] = []
-        bs = self.block_size
-        table = torch.zeros((8, 512 // bs + 2), dtype=torch.int32, device=self.device)
-        shapes = ([(1, c) for c in range(1, max_lookahead + 3)]
-                  + [(1, c) for c in (16, 32, 64, 128, 256, 512)] + [(m, 1) for m in range(2, 9)])
-        try:
-            for num_reqs, each in shapes:
-                for _ in range(2):
-                    t0 = time.perf_counter()
-                    ids = np.zeros(num_reqs * each, dtype=np.int64)
-                    positions = np.tile(np.arange(each), num_reqs) + (0 if num_reqs == 1 else 8)
-                    query_lens = np.full(num_reqs, each, dtype=np.int64)
-                    seq_lens = query_lens + (0 if num_reqs == 1 else 8)
-                    hidden = self._forward(ids, positions, query_lens, seq_lens,
-                                           np.arange(num_reqs), table)
-                    ends = np.cumsum(query_lens) - 1
-                    token, _ = self._sample(hidden[self._to_device(ends)])
-                    token.tolist()  # waits for the device: the call's whole time
-                    calls.append((num_reqs * each, time.perf_counter() - t0))
-        except Exception as exc:  # noqa: BLE001 - an optimisation must never stop the engine
-            logger.warning("Smurfs in-worker drafter %s: warm-up stopped after %d forwards: %s",
-                           self.name, len(calls), exc)
-        return calls
 
 
 def _pack(todo: list[int], starts: dict[int, int], lengths: np.ndarray,
