@@ -440,8 +440,12 @@ class InWorkerDrafter(DraftModelProposer):
         calls: list[tuple[int, float]] = []
         bs = self.block_size
         table = torch.zeros((8, 512 // bs + 2), dtype=torch.int32, device=self.device)
-        shapes = ([(1, c) for c in range(1, max_lookahead + 3)]
-                  + [(1, c) for c in (16, 32, 64, 128, 256, 512)] + [(m, 1) for m in range(2, 9)])
+        # Largest first: under torch.compile the first call traces the graph, and a trace of
+        # one token specializes it to one token (vLLM's own warm-up traces at its largest size);
+        # no forward larger than drafting runs (its token budget).
+        big = [c for c in (512, 256, 128, 64, 32, 16) if c <= self.max_num_tokens]
+        shapes = ([(1, c) for c in big] + [(m, 1) for m in range(8, 1, -1)]
+                  + [(1, c) for c in range(max_lookahead + 2, 0, -1)])
         try:
             for num_reqs, each in shapes:
                 for _ in range(2):

@@ -219,3 +219,18 @@ def test_the_injected_device_assert_reads_as_cudas(monkeypatch):
     assert is_fatal_device_error(drafter._injected_fault())
     drafter._fault_kind = "raise_after"
     assert not is_fatal_device_error(drafter._injected_fault())
+
+
+def test_the_warm_up_runs_every_shape_twice_largest_first_into_the_null_block(monkeypatch):
+    # Under torch.compile the first forward traces the drafter's graph, and a one-token trace
+    # specializes it to one token (a later larger forward then wrote past its buffers: heap
+    # corruption under `vllm serve`). The first forward is the largest the drafter's budget
+    # allows; every shape runs twice (the second call is a cost sample); KV goes to block 0.
+    drafter = make_drafter(monkeypatch)  # a budget of 64 tokens per forward
+    calls = drafter.warm_up(max_lookahead=3)
+    sizes = [len(positions) for _, positions in drafter.model.calls]
+    assert sizes[0] == max(sizes) == 64
+    assert [n for n, _ in calls] == sizes
+    assert sizes[0::2] == sizes[1::2] and len(sizes) == 2 * (3 + 7 + 5)  # each shape twice
+    assert sorted(set(sizes)) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
+    assert all(slot < BLOCK for mapping in drafter.slot_mappings for slot in mapping)
