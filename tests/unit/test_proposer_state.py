@@ -295,13 +295,18 @@ def test_the_first_drafting_step_lends_the_shared_cores(proposer):
 
 
 def test_no_draft_past_max_tokens(monkeypatch):
-    p = make_proposer(monkeypatch)
+    # The adaptive controller hears each request's max_tokens left from the runner (the fixed
+    # policy drafts k tokens as vLLM's methods do).
+    p = make_proposer(monkeypatch, pipeline=False, lookahead={"policy": "adaptive"})
     runner = SimpleNamespace(requests={"a": SimpleNamespace(
         sampling_params=SimpleNamespace(max_tokens=5), output_token_ids=[1, 2, 3])})
     tokens = np.zeros((8, 64), dtype=np.int32)
-    p.begin_step(StepContext(["a"], frozenset(), frozenset(), K, runner=runner))
-    out = p.propose([[5]], np.array([10] + [0] * 7), tokens)
-    assert out == [[7]]  # 2 tokens left: one draft and the target's own
+    outs = []
+    for length in (10, 11):  # the first step drafts only what is in hand; then an experiment
+        p.begin_step(StepContext(["a"], frozenset(), frozenset(), K, runner=runner,
+                                 num_scheduled_tokens=1))
+        outs.append(p.propose([[5]], np.array([length] + [0] * 7), tokens))
+    assert outs == [[[]], [[7]]]  # 2 tokens left: one draft and the target's own
 
 
 def test_synchronous_process_drafters_draft_the_plans_rows(monkeypatch):
