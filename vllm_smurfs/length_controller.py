@@ -37,9 +37,11 @@ plan with drafts is taken only with a margin over the one without (``DRAFT_MARGI
 
 **What it learns** (`acceptance`, `step_costs`), clean by construction: output tokens only; the
 lookaheads as verified; the prompt tokens of each step from the step itself (`StepTiming`); cost
-curves that drop a shape's first call (oneDNN primitives, compilation), are warmed up at start-up,
-forget old observations, and are made monotone by lowering a slow point rather than raising the
-points after it; acceptance per plan, per context and per request.
+curves that no single slow call sets (a first call builds oneDNN primitives or compiles), seeded
+by the in-worker drafters' warm-up, that forget old observations and are made monotone by lowering
+a slow point rather than raising the points after it; acceptance per plan, per context and per
+request. The arithmetic of plans (the greedy path, catch-up charges) is `plan_search`; the fixed
+policy is `fixed_lookahead`.
 
 **Exploration** is optimistic and bounded: the model plan is also valued with an upper
 confidence bound of its acceptance (wide where it has seldom been verified, and widening again
@@ -61,7 +63,6 @@ Pure module (stdlib only): runs every step for up to a few hundred requests.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_smurfs.acceptance import AcceptanceModel, ConfidenceCalibration
@@ -74,11 +75,24 @@ from vllm_smurfs.plan import (
     cumulative,
     expected,
 )
+from vllm_smurfs.plan_search import (
+    ModelChoice,
+    Point,
+    catch_ups,
+    charged_catch_up,
+    checkpoint_sizes,
+    greedy_path,
+    ks_of_path,
+    marginal,
+    scaled,
+    spread_steps,
+    total_catch_up,
+)
 from vllm_smurfs.step_costs import DraftCostModel, StepCostModel
 from vllm_smurfs.streaming_mode import DWELL_STEPS as DWELL_STEPS_PRICE
 from vllm_smurfs.streaming_mode import StreamingSwitch
 
-__all__ = ["DRAFT_MARGIN", "EXPLORE_BUDGET", "FixedLookahead", "LengthController"]
+__all__ = ["DRAFT_MARGIN", "EXPLORE_BUDGET", "LengthController"]
 
 # A plan with drafts must promise this much more than the plan without them (the model plan over
 # the plan in hand, drafting over not drafting), as a share of the step's worth: predictions
@@ -109,10 +123,6 @@ EXPERIMENT_CATCH_UP_TOKENS = 256
 # replaying a recorded trace at 4 requests) must not settle the question; the budget bounds
 # what the optimism costs.
 OPTIMISM = 2.0
-# A request's catch-up beyond a normal step's (a full accepted lookahead and its bonus token) is
-# an investment in its later steps: charged spread over the steps it is expected to still run
-# (its remaining tokens over its expected tokens per step), at most this many.
-CATCH_UP_SPREAD_STEPS = 32
 # A plan may verify at most twice the tokens of the step without drafts, and 8 more, beyond the
 # largest token count the target's curve has measured: where nothing is measured the curve is
 # extrapolated optimistically (flat), and at 32 requests a first plan of 6 drafts each would
@@ -133,90 +143,6 @@ _PROMPT_SMOOTHING = 0.5
 # The proposer's own time per step (model-free drafting, voting, planning) is an exponential
 # average with this weight on the last step.
 _OVERHEAD_SMOOTHING = 0.2
-
-
-class FixedLookahead:
-    """Every request drafts ``num_speculative_tokens`` (clipped to the context) with every drafter,
-    every step: vLLM's own methods' behaviour."""
-
-    def __init__(self, num_speculative_tokens: int, num_worker_drafters: int = 0) -> None:
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        self.num_speculative_tokens = num_speculative_tokens
-        self.num_worker_drafters = num_worker_drafters
-        self.total_drafted = 0
-        self.total_accepted = 0
-
-    @property
-    def streaming(self) -> bool:
-        return True
-
-    def plan(self, requests: Sequence[PlanRequest], max_lookahead: int) -> Plan:
-        top = min(self.num_speculative_tokens, max(0, max_lookahead))
-        # As vLLM's methods: k tokens whenever the context holds them, also in a request's last
-        # step (drafts past its max_tokens are verified and dropped).
-        ks = [min(top, r.room) for r in requests]
-        rows = [[i for i, r in enumerate(requests)
-                 if ks[i] > 0 and d < len(r.catch_up) and r.catch_up[d] is not None]
-                for d in range(self.num_worker_drafters)]
-        return Plan(lookaheads=ks, model_rows=rows, streaming=True, mode="fixed",
-                    sync_rows=[i for i, k in enumerate(ks) if k > 0])
-
-    def keep_drafting(self, plan: Plan, drafter: int, active: Sequence[int],
-                      confidences: Sequence[Sequence[float]], drafted_s: float = 0.0
-                      ) -> list[int]:
-        return list(active)
-
-    def wait_s(self, plan: Plan, late: Sequence[tuple[int, int]], max_wait_s: float) -> float:
-        return max_wait_s
-
-    def observe(self, outcomes: Sequence[RequestOutcome]) -> None:
-        for o in outcomes:
-            if o.voted is not None:
-                self.total_drafted += o.voted[0]
-                self.total_accepted += o.voted[1]
-
-    def observe_step(self, timing: StepTiming) -> None:
-        return None
-
-    def observe_pass(self, drafter: int, num_tokens: int, seconds: float) -> None:
-        return None
-
-    def observe_draft(self, timing: DraftTiming) -> None:
-        return None
-
-    def forget(self, req_ids: Iterable[str]) -> None:
-        return None
-
-    def step_lost(self) -> None:
-        return None
-
-    def snapshot(self) -> dict[str, Any]:
-        rate = self.total_accepted / self.total_drafted if self.total_drafted else None
-        return {"policy": "fixed", "num_speculative_tokens": self.num_speculative_tokens,
-                "total_drafted": self.total_drafted, "total_accepted": self.total_accepted,
-                "acceptance_rate": None if rate is None else round(rate, 6)}
-
-
-@dataclass
-class _Point:
-    """A point of a plan: expected tokens, target tokens, seconds (without the target's part)."""
-
-    expected: float
-    tokens: float
-    extra_s: float = 0.0  # drafter forwards and calls
-
-
-@dataclass
-class _ModelChoice:
-    """The best model plan found: its rows (with lookahead caps and catch-ups), value, cost."""
-
-    rows: list[int]
-    ks: dict[int, int]
-    value: float
-    expected: float
-    tokens: float
-    extra_s: float
 
 
 class LengthController:
@@ -393,7 +319,7 @@ class LengthController:
     def _explore(self, requests: Sequence[PlanRequest], caps: list[int], lows: list[int],
                  can_model: list[int], hand: list[list[float]], hand_ks: list[int],
                  mean_curves: list[list[float]], rho: float, verify_s: float, value: Any,
-                 limit: float, threshold: float) -> _ModelChoice | None:
+                 limit: float, threshold: float) -> ModelChoice | None:
         """An experiment with the model drafters, or None.
 
         When model drafting may pay in this step (its plan, valued with the optimistic
@@ -411,8 +337,8 @@ class LengthController:
         nd = self.num_worker_drafters
         rows: list[int] = []
         budget = EXPERIMENT_CATCH_UP_TOKENS
-        for i in sorted(can_model, key=lambda i: _total_catch_up(requests[i])):
-            cost = _total_catch_up(requests[i])
+        for i in sorted(can_model, key=lambda i: total_catch_up(requests[i])):
+            cost = total_catch_up(requests[i])
             if rows and cost > budget:
                 break
             rows.append(i)
@@ -424,14 +350,14 @@ class LengthController:
         for i in rows:
             exp_tokens += expected(mean_curves[i], ks[i]) - expected(hand[i], hand_ks[i])
             tokens += ks[i] - hand_ks[i]
-            spread = _spread_steps(requests[i].remaining, expected(mean_curves[i], ks[i]))
-            for d, c in enumerate(_catch_ups(requests[i], nd)):
-                catch_up[d] += _charged(c, self.max_lookahead, spread)
+            spread = spread_steps(requests[i].remaining, expected(mean_curves[i], ks[i]))
+            for d, c in enumerate(catch_ups(requests[i], nd)):
+                catch_up[d] += charged_catch_up(c, self.max_lookahead, spread)
         max_k = max(ks.values())
         extra = self._models_s(catch_up, len(rows), max_k)
-        experiment = _ModelChoice(rows, ks, value(_Point(exp_tokens, tokens, extra)),
+        experiment = ModelChoice(rows, ks, value(Point(exp_tokens, tokens, extra)),
                                   exp_tokens, tokens, extra)
-        hand_value = value(_Point(sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True)),
+        hand_value = value(Point(sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True)),
                                   float(sum(1 + k for k in hand_ks))))
         price_s = max(0.0, hand_value - experiment.value) / max(rho, 1e-9)
         if self.counts["explore_steps"] and (self.explore_spent_s + price_s
@@ -460,13 +386,13 @@ class LengthController:
             else:
                 qs = cumulative(self.acceptance_free.request_acceptance(r.req_id),
                                 min(cap, r.free_len))
-            out.append(_scaled(qs, f))
+            out.append(scaled(qs, f))
         return out
 
     def _model_curves(self, requests: Sequence[PlanRequest], caps: list[int],
                       optimism: float) -> list[list[float]]:
         f = self.yield_factor("models")
-        return [_scaled(cumulative(self.acceptance_models[r.free_len > 0].request_acceptance(
+        return [scaled(cumulative(self.acceptance_models[r.free_len > 0].request_acceptance(
             r.req_id, optimism), cap), f) for r, cap in zip(requests, caps, strict=True)]
 
     def _best_plan(self, requests: Sequence[PlanRequest], caps: list[int], can_model: list[int],
@@ -482,13 +408,13 @@ class LengthController:
         hand = self._hand_curves(requests, caps, streaming)
         limit = max(self._target(streaming).max_tokens,
                     TRUST_FACTOR * (n + prompt) + TRUST_TOKENS) - prompt
-        path = [p for p in _greedy_path(hand, [0] * n) if p.tokens <= limit] or \
-            _greedy_path(hand, [0] * n)[:1]
+        path = [p for p in greedy_path(hand, [0] * n) if p.tokens <= limit] or \
+            greedy_path(hand, [0] * n)[:1]
         # rho: the best rate of a step of this batch without its prompt chunk (at least the rate
         # without drafting), on the plan in hand.
         rho = max(p.expected / max(target(p.tokens) + overhead, 1e-9) for p in path)
 
-        def value(p: _Point, with_prompt: bool = True) -> float:
+        def value(p: Point, with_prompt: bool = True) -> float:
             return p.expected - rho * (target(p.tokens + (prompt if with_prompt else 0.0))
                                        + overhead + p.extra_s)
 
@@ -500,9 +426,9 @@ class LengthController:
         if value(path[best_i]) - none_value < margin:
             best_i = 0
         hand_point = path[best_i]
-        hand_ks = _ks_of_path(hand, best_i)
+        hand_ks = ks_of_path(hand, best_i)
         hand_value = value(hand_point)
-        verify_s = _marginal(target, hand_point.tokens + prompt, max(1, n))
+        verify_s = marginal(target, hand_point.tokens + prompt, max(1, n))
 
         choice, mode = None, "in-hand" if best_i else "none"
         if self.has_models and can_model and (self.num_worker_drafters or self.sync_drafters):
@@ -547,7 +473,7 @@ class LengthController:
     def _model_choice(self, requests: Sequence[PlanRequest], caps: list[int], lows: list[int],
                       can_model: list[int], hand: list[list[float]], hand_ks: list[int],
                       curves: list[list[float]], rho: float, verify_s: float, value: Any,
-                      limit: float) -> _ModelChoice | None:
+                      limit: float) -> ModelChoice | None:
         """The best model plan: requests added by decreasing benefit, at every common draft
         length ``K``; the best (prefix, ``K``) taken.
 
@@ -566,8 +492,8 @@ class LengthController:
             while top < caps[i] and qs[top] > rho * verify_s:
                 top += 1
             top = min(top, caps[i])
-            spread = _spread_steps(r.remaining, expected(qs, top))
-            charged = [_charged(c, self.max_lookahead, spread) for c in _catch_ups(r, nd)]
+            spread = spread_steps(r.remaining, expected(qs, top))
+            charged = [charged_catch_up(c, self.max_lookahead, spread) for c in catch_ups(r, nd)]
             # Ordering: what the request gains against its verification and its catch-up.
             net = expected(qs, top) - expected(hand[i], hand_ks[i]) - rho * (
                 verify_s * (top - hand_ks[i]) + sum(
@@ -578,7 +504,7 @@ class LengthController:
             return None
         cands.sort(key=lambda c: -c[0])
         longest = max(top for _, _, top, _ in cands)
-        checkpoints = _checkpoints(len(cands))
+        checkpoints = checkpoint_sizes(len(cands))
         best_at: tuple[int, int] | None = None  # (K, prefix length) of the best so far
         best_value = 0.0
         for K in range(1, longest + 1):
@@ -598,7 +524,7 @@ class LengthController:
                     break
                 if m not in checkpoints and m < len(cands):
                     continue
-                v = value(_Point(exp_tokens, tokens, self._models_s(catch_up, m, max_k)))
+                v = value(Point(exp_tokens, tokens, self._models_s(catch_up, m, max_k)))
                 if best_at is None or v > best_value or (self.force_models and m > best_at[1]):
                     best_at, best_value = (K, m), v
         if best_at is None:
@@ -612,16 +538,16 @@ class LengthController:
         charged = [sum(c[3][d] for c in cands[:m]) for d in range(nd)]
         max_k = max(ks.values())
         extra = self._models_s(charged, m, max_k)
-        best = _ModelChoice(rows, ks, best_value, exp_tokens, tokens, extra)
+        best = ModelChoice(rows, ks, best_value, exp_tokens, tokens, extra)
         return best
 
     def _model_plan(self, requests: Sequence[PlanRequest], caps: list[int], hand_ks: list[int],
-                    choice: _ModelChoice, rho: float, verify_s: float, mode: str, target: Any,
+                    choice: ModelChoice, rho: float, verify_s: float, mode: str, target: Any,
                     prompt: float, overhead: float, streaming: bool) -> Plan:
         n = len(requests)
         nd = self.num_worker_drafters
         rows = set(choice.rows)
-        model_rows = [sorted(i for i in choice.rows if _catch_ups(requests[i], nd)[d] is not None)
+        model_rows = [sorted(i for i in choice.rows if catch_ups(requests[i], nd)[d] is not None)
                       for d in range(nd)]
         # Model rows draft up to their cap (the stop rule ends each draft); the others keep the
         # chain in hand.
@@ -665,7 +591,7 @@ class LengthController:
         def best_value(curves: list[list[float]], streaming: bool) -> float:
             return max(p.expected - rho * (self._target_s(p.tokens + self._prompt, streaming)
                                            + self._overhead_s)
-                       for p in _greedy_path(curves, [0] * len(curves)))
+                       for p in greedy_path(curves, [0] * len(curves)))
 
         def streamed(optimism: float) -> list[list[float]]:
             delivery = self.switch.delivery
@@ -803,92 +729,6 @@ class LengthController:
             "last_plan": {k: (round(v, 6) if isinstance(v, float) else v)
                           for k, v in self._last.items()},
         }
-
-
-def _greedy_path(curves: list[list[float]], lows: list[int]) -> list[_Point]:
-    """The points of the greedy allocation: draft tokens added one at a time, the one with the
-    largest chance of acceptance first (each request's chances never increase along its draft,
-    so every prefix is a valid allocation, and the best one for its token count)."""
-    exp_tokens = sum(expected(q, lo) for q, lo in zip(curves, lows, strict=True))
-    tokens = float(sum(1 + lo for lo in lows))
-    points = [_Point(exp_tokens, tokens)]
-    for g, _, _ in _gains(curves, lows):
-        exp_tokens += g
-        tokens += 1
-        points.append(_Point(exp_tokens, tokens))
-    return points
-
-
-def _gains(curves: list[list[float]], lows: list[int]) -> list[tuple[float, int, int]]:
-    gains = [(qs[j - 1], r, j) for r, (qs, lo) in enumerate(zip(curves, lows, strict=True))
-             for j in range(lo + 1, len(qs) + 1)]
-    # Stable sort by gain only: within a request gains never increase, so equal gains keep their
-    # (request, position) order.
-    gains.sort(key=lambda g: -g[0])
-    return gains
-
-
-def _ks_of_path(curves: list[list[float]], length: int) -> list[int]:
-    ks = [0] * len(curves)
-    for _, r, j in _gains(curves, [0] * len(curves))[:length]:
-        ks[r] = j
-    return ks
-
-
-def _scaled(qs: list[float], factor: float) -> list[float]:
-    """Cumulative chances scaled by ``factor``, each at most 1 and never increasing."""
-    if factor == 1.0:
-        return qs
-    out, prev = [], 1.0
-    for q in qs:
-        prev = min(prev, q * factor, 1.0)
-        out.append(prev)
-    return out
-
-
-def _checkpoints(n: int) -> set[int]:
-    """The prefix sizes a model plan is valued at: all up to 32, then about 12 per doubling (a
-    plan for 200 requests is as good as one for 198 within the noise of the estimates)."""
-    out = set(range(1, min(n, 32) + 1))
-    m = 32.0
-    while m < n:
-        m *= 1.06
-        out.add(min(n, int(m)))
-    out.add(n)
-    return out
-
-
-def _total_catch_up(request: PlanRequest) -> int:
-    return sum(c for c in request.catch_up if c is not None)
-
-
-def _catch_ups(request: PlanRequest, num_drafters: int) -> list[int | None]:
-    """The request's catch-up per in-worker drafter (None where it cannot draft)."""
-    return [request.catch_up[d] if d < len(request.catch_up) else None
-            for d in range(num_drafters)]
-
-
-def _marginal(curve: Any, tokens: float, span: int) -> float:
-    """Seconds per token the curve adds from ``tokens`` over the next ``span`` tokens."""
-    return max(0.0, (curve(tokens + span) - curve(tokens)) / span)
-
-
-def _spread_steps(remaining: int | None, tokens_per_step: float) -> float:
-    steps = float(CATCH_UP_SPREAD_STEPS)
-    if remaining is not None:
-        steps = min(steps, remaining / max(tokens_per_step, 1.0))
-    return max(1.0, steps)
-
-
-def _charged(tokens: int | None, max_lookahead: int, spread: float) -> float:
-    """Catch-up tokens charged to this step: all of a normal step's (a full accepted lookahead
-    and its bonus token), the rest spread over the request's later steps."""
-    if tokens is None:
-        return 0.0
-    normal = max_lookahead + 1
-    if tokens <= normal:
-        return float(tokens)
-    return normal + (tokens - normal) / spread
 
 
 # Re-exported for the proposer and the tests (the parts' own modules define them).

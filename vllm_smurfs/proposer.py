@@ -26,7 +26,8 @@ import numpy as np
 
 from vllm_smurfs import cores
 from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
-from vllm_smurfs.length_controller import FixedLookahead, LengthController
+from vllm_smurfs.fixed_lookahead import FixedLookahead
+from vllm_smurfs.length_controller import LengthController
 from vllm_smurfs.lookahead_types import DraftTiming, StepTiming
 from vllm_smurfs.metrics import DrafterStats, SmurfsStats
 from vllm_smurfs.model_drafting import ModelDrafting

@@ -44,7 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_smurfs.length_controller import FixedLookahead, LengthController
+from vllm_smurfs.fixed_lookahead import FixedLookahead
+from vllm_smurfs.length_controller import LengthController
 from vllm_smurfs.lookahead_types import StepTiming
 from vllm_smurfs.plan import DrafterOutcome, Plan, PlanRequest, RequestOutcome
 from vllm_smurfs.step_costs import StepCostModel

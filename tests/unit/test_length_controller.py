@@ -12,10 +12,10 @@ import random
 
 import pytest
 
+from vllm_smurfs.fixed_lookahead import FixedLookahead
 from vllm_smurfs.length_controller import (
     EXPLORE_ALLOWANCE_S,
     EXPLORE_BUDGET,
-    FixedLookahead,
     LengthController,
 )
 from vllm_smurfs.lookahead_types import DraftTiming, StepTiming

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_smurfs.length_controller import FixedLookahead, LengthController
+from vllm_smurfs.fixed_lookahead import FixedLookahead
+from vllm_smurfs.length_controller import LengthController
 from vllm_smurfs.lookahead_types import DraftTiming
 from vllm_smurfs.trace_report import compare, format_summary, format_table, main, summarize
 from vllm_smurfs.trace_sim import (

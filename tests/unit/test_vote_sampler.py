@@ -355,7 +355,8 @@ def test_consistently_better_drafter_gains_weight() -> None:
 _PKG = Path(__file__).resolve().parents[2] / "vllm_smurfs"
 
 
-PURE_MODULES = ["vote_sampler.py", "length_controller.py", "lookahead_types.py", "acceptance.py",
+PURE_MODULES = ["vote_sampler.py", "length_controller.py", "plan_search.py", "fixed_lookahead.py",
+                "lookahead_types.py", "acceptance.py",
                 "step_costs.py", "plan.py", "streaming_mode.py", "model_free.py",
                 "drafter_protocol.py", "trace.py", "trace_sim.py", "trace_report.py",
                 "trace_reconstruct.py", "model_drafting.py"]
