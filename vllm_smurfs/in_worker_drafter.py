@@ -429,15 +429,15 @@ class InWorkerDrafter(DraftModelProposer):
 
     # -- warm-up (called once the KV cache exists) ---------------------------------------------
     @torch.inference_mode()
-    def warm_up(self, max_lookahead: int) -> list[tuple[int, float]]:
-        """Run the forwards drafting will run, each shape twice, and return every call's
-        ``(tokens, seconds)``: the first call at a shape builds its kernels (oneDNN primitives on
+    def warm_up(self, max_lookahead: int) -> list[PassTiming]:
+        """Run the forwards drafting will run, each shape twice, and return every call's timing
+        (as drafting times them: `_PassClock`): the first call at a shape builds its kernels (oneDNN primitives on
         CPU, compilation on GPU) and says nothing of its cost; the second is the controller's
         first measurement. Shapes: one request catching up 1 to ``max_lookahead + 2`` tokens
         (the first forward after a step it drafted in) and 16 to 512 (after a pause, a prompt);
         2 to 8 requests extended by one token each. The KV writes go to block 0, vLLM's null block,
         which no request owns. Best effort: a failure ends the warm-up with a log line."""
-        calls: list[tuple[int, float]] = []
+        clock = _PassClock(self.device)
         bs = self.block_size
         table = torch.zeros((8, 512 // bs + 2), dtype=torch.int32, device=self.device)
         # Largest first: under torch.compile the first call traces the graph, and a trace of
@@ -449,7 +449,7 @@ class InWorkerDrafter(DraftModelProposer):
         try:
             for num_reqs, each in shapes:
                 for _ in range(2):
-                    t0 = time.perf_counter()
+                    clock.start()
                     ids = np.zeros(num_reqs * each, dtype=np.int64)
                     positions = np.tile(np.arange(each), num_reqs) + (0 if num_reqs == 1 else 8)
                     query_lens = np.full(num_reqs, each, dtype=np.int64)
@@ -457,13 +457,12 @@ class InWorkerDrafter(DraftModelProposer):
                     hidden = self._forward(ids, positions, query_lens, seq_lens,
                                            np.arange(num_reqs), table)
                     ends = np.cumsum(query_lens) - 1
-                    token, _ = self._sample(hidden[self._to_device(ends)])
-                    token.tolist()  # waits for the device: the call's whole time
-                    calls.append((num_reqs * each, time.perf_counter() - t0))
+                    self._sample(hidden[self._to_device(ends)])
+                    clock.stop(num_reqs * each, num_reqs, first=num_reqs == 1)
         except Exception as exc:  # noqa: BLE001 - an optimisation must never stop the engine
             logger.warning("Smurfs in-worker drafter %s: warm-up stopped after %d forwards: %s",
-                           self.name, len(calls), exc)
-        return calls
+                           self.name, len(clock.passes()), exc)
+        return clock.passes()
 
 
 class FatalDrafterError(RuntimeError):

@@ -220,8 +220,8 @@ class SmurfsProposer:
         started = time.perf_counter()
         for j, drafter in enumerate(self.in_worker_drafters):
             if drafter.health.alive:
-                for num_tokens, seconds in drafter.warm_up(self.num_speculative_tokens):
-                    self.controller.observe_pass(j, num_tokens, seconds)
+                for p in drafter.warm_up(self.num_speculative_tokens):
+                    self.controller.observe_pass(j, p.num_tokens, p.seconds)
         self._warmed = True
         return time.perf_counter() - started
 
