@@ -128,8 +128,19 @@ def test_a_ray_actor_killed_mid_run_costs_speculation_only(family, tmp_path):
     assert not (home / ".ray").exists() and _token_file_state() == real_token
     first, second = out["phases"]
     print(f"\nbetween the phases {out['between_s']} s; {json.dumps(second['after'])}")
-    for phase in (first, second):
-        assert divergences(reference.token_ids, phase["token_ids"]) == {}
+    for number, phase in enumerate((first, second), 1):
+        found = divergences(reference.token_ids, phase["token_ids"])
+        if found:
+            # Seen once in CI (stop 30), never here: say which phase, which tokens, and whether
+            # a second run without speculation repeats the first (a flaky reference, or not).
+            again = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS),
+                                max_tokens=FAULT_MAX_TOKENS))
+            tokens = {i: (reference.token_ids[i][pos:pos + 3], phase["token_ids"][i][pos:pos + 3])
+                      for i, pos in found.items()}
+            repeats = "repeats" if again.token_ids == reference.token_ids else "differs from"
+            pytest.fail(f"phase {number} diverges from the run without speculation at {found} "
+                        f"(reference vs phase tokens there: {tokens}); a second run without "
+                        f"speculation {repeats} the first:\n{log[-6000:]}")
 
     def ray_draft(stats):
         return {d["name"]: d for d in stats["drafters"]}["ray-draft"]
