@@ -202,6 +202,42 @@ def test_the_adaptive_controller_does_not_lose_under_load() -> None:
     assert rates["adaptive"] >= 0.98 * rates["k=0"], rates
 
 
+def _bad_then_good(seed: int, bad: float, good: float = 0.85) -> list[ReplayRequest]:
+    rng = np.random.default_rng(seed)
+    return ([ReplayRequest.synthetic(f"bad{i}", iid(bad, 64, rng), prompt=150) for i in range(2)]
+            + [ReplayRequest.synthetic(f"good{i}", iid(good, 64, rng), prompt=150)
+               for i in range(4)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_requests_the_drafter_serves_badly_do_not_keep_it_from_the_next_ones(seed: int) -> None:
+    """Two requests at acceptance 0.3 first (the population's estimate falls below what a
+    forward costs), then four at 0.85: each new request is probed, and the good ones are drafted
+    by the model (without probes the models sat out every step of them)."""
+    requests = _bad_then_good(seed, 0.3)
+    steps: list[tuple[str, bool]] = []
+    adaptive = replay(requests, lambda: LengthController(6, 1), 1, target_s, drafter_s, 6,
+                      on_plan=lambda s, plan, prs: steps.append(
+                          (prs[0].req_id, bool(plan.model_row_set))))
+    good = [models for req_id, models in steps if req_id.startswith("good")]
+    assert sum(good) > 0.5 * len(good), f"models in {sum(good)} of {len(good)} good steps"
+    none = replay(requests, NoSpeculation, 1, target_s, drafter_s, 6)
+    assert adaptive.tokens_per_second > 1.1 * none.tokens_per_second
+
+
+def test_probing_a_drafter_that_serves_every_request_badly_stays_within_the_budget() -> None:
+    rng = np.random.default_rng(5)
+    requests = [ReplayRequest.synthetic(f"r{i}", iid(0.15, 64, rng), prompt=150)
+                for i in range(8)]
+    steps: list[tuple[str, str]] = []
+    adaptive = replay(requests, lambda: LengthController(6, 1), 1, target_s, drafter_s, 6,
+                      on_plan=lambda s, plan, prs: steps.append((prs[0].req_id, plan.mode)))
+    none = replay(requests, NoSpeculation, 1, target_s, drafter_s, 6)
+    probed = {req_id for req_id, mode in steps if mode == "explore"}
+    assert len(probed) >= 4  # the probes happened (most requests got one)...
+    assert adaptive.tokens_per_second >= 0.97 * none.tokens_per_second  # ...and cost little
+
+
 # --------------------------------------------------------- regression: recorded real-model traces
 DATA = Path(__file__).parent / "data"
 TRACES = sorted(DATA.glob("trace-*.jsonl"))
