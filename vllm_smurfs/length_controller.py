@@ -355,7 +355,8 @@ class LengthController:
             # still differ from it (acceptance varies by request far more than by step).
             candidates = [i for i in can_model if PROBE_NEW_REQUESTS
                           and len(requests) <= PROBE_MAX_BATCH and self._unprobed(requests[i])
-                          and (requests[i].remaining or 0) >= PROBE_MIN_REMAINING]
+                          and (requests[i].remaining is None  # no max_tokens: long
+                               or requests[i].remaining >= PROBE_MIN_REMAINING)]
             if not candidates:
                 return None
         nd = self.num_worker_drafters
