@@ -431,12 +431,13 @@ class InWorkerDrafter(DraftModelProposer):
     @torch.inference_mode()
     def warm_up(self, max_lookahead: int) -> list[PassTiming]:
         """Run the forwards drafting will run, each shape twice, and return every call's timing
-        (as drafting times them: `_PassClock`): the first call at a shape builds its kernels (oneDNN primitives on
-        CPU, compilation on GPU) and says nothing of its cost; the second is the controller's
-        first measurement. Shapes: one request catching up 1 to ``max_lookahead + 2`` tokens
-        (the first forward after a step it drafted in) and 16 to 512 (after a pause, a prompt);
-        2 to 8 requests extended by one token each. The KV writes go to block 0, vLLM's null block,
-        which no request owns. Best effort: a failure ends the warm-up with a log line."""
+        (as drafting times them: `_PassClock`): the first call at a shape builds its kernels
+        (oneDNN primitives on CPU, compilation on GPU) and says nothing of its cost; the second
+        is the controller's first measurement. Shapes: one request catching up 1 to
+        ``max_lookahead + 2`` tokens (the first forward after a step it drafted in) and 16 to 512
+        (after a pause, a prompt); 2 to 8 requests extended by one token each. The KV writes go
+        to block 0, vLLM's null block, which no request owns. Best effort: a failure ends the
+        warm-up with a log line."""
         clock = _PassClock(self.device)
         bs = self.block_size
         table = torch.zeros((8, 512 // bs + 2), dtype=torch.int32, device=self.device)
