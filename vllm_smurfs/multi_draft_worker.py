@@ -8,7 +8,7 @@ own greedy continuation of a context), extended one engine step at a time while 
 verifies. Their clients (`drafter_client`) mirror those
 paths; a step takes from each path what is ready and consistent with the request's current text,
 and tells the drafters where the text goes next (`track`).
-Model-free voters (`model_free`) run in this process: they cost microseconds.
+Model-free voters (`model_free`: n-gram and suffix) run in this process: they cost microseconds.
 
 Faults cost speculation, never a request: a drafter with nothing ready gives no draft for the
 step; one that crashes, or stays silent past ``draft_timeout_s`` while it owes an answer, is
@@ -27,10 +27,15 @@ from typing import Any
 import numpy as np
 
 from vllm_smurfs import cores
-from vllm_smurfs.config import ModelDrafterConfig, NgramDrafterConfig, SmurfsConfig
+from vllm_smurfs.config import (
+    ModelDrafterConfig,
+    NgramDrafterConfig,
+    SmurfsConfig,
+    SuffixDrafterConfig,
+)
 from vllm_smurfs.cores import ElasticThreads
 from vllm_smurfs.drafter_client import DrafterHealth, ModelDrafterClient
-from vllm_smurfs.model_free import NgramVoter
+from vllm_smurfs.model_free import NgramVoter, SuffixVoter
 
 logger = logging.getLogger(__name__)
 
@@ -43,23 +48,41 @@ class DraftRequest:
     req_id: str
     context: np.ndarray  # [num_tokens] int: prompt + output so far
     k: int  # most draft tokens wanted
+    num_prompt_tokens: int | None = None  # where the prompt ends in context (None: unknown)
 
 
 class ModelFreeDrafter:
     """A model-free voter behind the same interface as a model drafter."""
 
-    def __init__(self, spec: NgramDrafterConfig) -> None:
+    def __init__(self, spec: NgramDrafterConfig | SuffixDrafterConfig) -> None:
         self.spec = spec
         self.name = spec.display_name
         self.health = DrafterHealth(self.name)
-        self._voter = NgramVoter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self._suffix: SuffixVoter | None = None
+        self._ngram: NgramVoter | None = None
+        if isinstance(spec, SuffixDrafterConfig):
+            self._suffix = SuffixVoter(spec.suffix_decoding_max_tree_depth,
+                                       spec.suffix_decoding_max_cached_requests,
+                                       spec.suffix_decoding_max_spec_factor,
+                                       spec.suffix_decoding_min_token_prob)
+        else:
+            self._ngram = NgramVoter(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         self.health.steps_answered += 1
         return [self.draft(r) for r in requests]
 
     def draft(self, request: DraftRequest) -> list[int]:
-        return self._voter.propose(request.context, request.k)
+        if self._suffix is not None:
+            return self._suffix.propose(request.req_id, request.context, request.k,
+                                        request.num_prompt_tokens)
+        assert self._ngram is not None
+        return self._ngram.propose(request.context, request.k)
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        """The requests ended (or were preempted): a suffix voter keeps their outputs only."""
+        if self._suffix is not None:
+            self._suffix.forget(req_ids)
 
 
 class DrafterPool:
@@ -246,7 +269,7 @@ class DrafterPool:
     def forget(self, req_ids: Sequence[str]) -> None:
         for drafter in self.model_drafters:
             drafter.forget(req_ids)
-        for index in self.in_worker_indices:
+        for index in self.in_worker_indices + self.model_free_indices:
             self.drafters[index].forget(req_ids)
 
     def health(self) -> list[DrafterHealth]:

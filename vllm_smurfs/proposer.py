@@ -14,11 +14,12 @@ the target's own, sampled output has the target's distribution.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -63,6 +64,8 @@ class StepContext:
     # e.g. near max_tokens); None when unknown: the proposer's own last draft is assumed.
     verified_drafts: Mapping[str, list[int]] | None = None
     num_scheduled_tokens: int = 0  # tokens the target computes in this step (drafts, prefills)
+    # [num_reqs] prompt length per row (the suffix voter's prompt tree); None when unknown.
+    num_prompt_tokens: Sequence[int] | None = None
     # The model runner (in-worker drafters address their KV cache through its block tables, and
     # the planner reads each request's remaining token budget); None in unit tests.
     runner: Any = None
@@ -278,8 +281,10 @@ class SmurfsProposer:
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]
         max_lookahead = min(step.max_spec_tokens or self.num_speculative_tokens,
                             self.num_speculative_tokens)
+        prompts = step.num_prompt_tokens
         requests = [DraftRequest(step.req_ids[i], token_ids_cpu[i, : int(num_tokens_no_spec[i])]
-                                 .copy(), max_lookahead) for i in rows]
+                                 .copy(), max_lookahead,
+                                 None if prompts is None else int(prompts[i])) for i in rows]
         proposals: list[list[int]] = [[] for _ in sampled_token_ids]
         forwards_s = waited_s = 0.0
         if requests:
@@ -419,8 +424,7 @@ class SmurfsProposer:
         synchronous, exactly the lookaheads, waited for. Returns the seconds waited."""
         worker = self.worker
         started = time.perf_counter()
-        wanted = [DraftRequest(requests[i].req_id, requests[i].context, plan.lookaheads[i])
-                  for i in rows]
+        wanted = [dataclasses.replace(requests[i], k=plan.lookaheads[i]) for i in rows]
         if self.config.pipeline:
             if not in_hand:
                 return 0.0  # just switched on: they start drafting while the target verifies

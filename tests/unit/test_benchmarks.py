@@ -870,3 +870,20 @@ def test_run_repeat_makes_one_folder_per_pass_with_alternating_order(tmp_path, m
     assert again["loads"]["served@c4"]["smurfs:4@1thread"]["speedups"] == pytest.approx([1.5, 1.1])
     with pytest.raises(SystemExit):
         cli.main(["run", "--target", "/t", "--repeat", "0"])
+
+
+def test_a_variant_can_add_a_drafter_to_the_collective():
+    from benchmarks.cli import all_variants
+
+    variants = all_variants([])
+    settings = MethodSettings(drafts=("/d",), variants=MethodSettings.variants_of(variants))
+    plain, with_suffix = (speculative_config(spec, settings, [0, 1])
+                          for spec in parse_methods("smurfs:6,smurfs/suffix:6", 2, variants))
+    assert with_suffix["drafters"] == [*plain["drafters"], {"method": "suffix"}]
+    assert {k: v for k, v in with_suffix.items() if k != "drafters"} == {
+        k: v for k, v in plain.items() if k != "drafters"}
+    with pytest.raises(ValueError, match=r"extends num_speculative_tokens \(\+num_spec"):
+        speculative_config(parse_methods("smurfs/bad:6", 2, {"bad": {
+            "+num_speculative_tokens": [1]}})[0], MethodSettings(
+            drafts=("/d",), variants=MethodSettings.variants_of({"bad": {
+                "+num_speculative_tokens": [1]}})), [0, 1])

@@ -11,6 +11,7 @@ from vllm_smurfs.config import (
     ModelDrafterConfig,
     NgramDrafterConfig,
     SmurfsConfig,
+    SuffixDrafterConfig,
     VoteConfig,
     load_user_config,
 )
@@ -51,7 +52,7 @@ def test_user_config_from_file_or_inline(tmp_path):
 
 
 @pytest.mark.parametrize("model_cls", [SmurfsConfig, ModelDrafterConfig, NgramDrafterConfig,
-                                       VoteConfig, LookaheadConfig])
+                                       SuffixDrafterConfig, VoteConfig, LookaheadConfig])
 def test_readme_documents_every_key(model_cls):
     documented = set(re.findall(r"^\| `(\w+)` \|", REFERENCE.read_text(), re.M))
     missing = set(model_cls.model_fields) - documented

@@ -5,8 +5,8 @@ requests finish), no finished/preempted requests, no per-step lookahead. Smurfs 
 state, vote weights and the previous draft per request, so it needs all of these.
 How: before vLLM's own body runs, hand the proposer a `StepContext` built from
 ``input_batch.req_ids`` and the scheduler output (lifecycle events, lookahead cap, drafts
-verified, tokens computed) and the runner itself (in-worker drafters address their KV cache
-through its block tables), and mark the step's propose call as come (`model_runner_execute`
+verified, tokens computed), the rows' prompt lengths (the suffix voter's prompt trees) and the
+runner itself (in-worker drafters address their KV cache through its block tables), and mark the step's propose call as come (`model_runner_execute`
 tells the proposer of the steps vLLM skips it in). After it, cut each draft before its first id
 the target has no row for: drafters share the target's tokenizer, but a drafter's embedding may
 be padded past the target's (the target's rejection sampler indexes its logits with the draft).
@@ -31,9 +31,10 @@ def _propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         return original(TARGET, NAME)(self, scheduler_output, *args, **kwargs)
     mark_proposed(self)
     cached = scheduler_output.scheduled_cached_reqs
+    req_ids = list(self.input_batch.req_ids)
     self.drafter.begin_step(
         StepContext(
-            req_ids=list(self.input_batch.req_ids),
+            req_ids=req_ids,
             finished_req_ids=frozenset(scheduler_output.finished_req_ids),
             restarted_req_ids=frozenset(
                 set(cached.resumed_req_ids) | set(scheduler_output.preempted_req_ids or ())
@@ -41,6 +42,7 @@ def _propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
             max_spec_tokens=scheduler_output.num_spec_tokens_to_schedule,
             verified_drafts=scheduler_output.scheduled_spec_decode_tokens,
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            num_prompt_tokens=self.input_batch.num_prompt_tokens[: len(req_ids)].tolist(),
             runner=self,
         )
     )
