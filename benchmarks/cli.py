@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-prompts", type=int, default=None,
                      help="at most this many of the selected prompts, taken in turn from each "
                           "family (e.g. a burst of 16 with --loads batched)")
+    run.add_argument("--rounds", type=int, default=1,
+                     help="send the selected prompts this many times in a row to the same engine "
+                          "(a repeated workload: later rounds find earlier answers in the suffix "
+                          "caches); round r's copy of prompt i has index i + r * prompts")
     run.add_argument("--max-tokens", type=int, default=None,
                      help=f"output tokens per prompt (default: quick {QUICK[1]}, full {FULL[1]})")
     run.add_argument("--max-model-len", type=int, default=4096,
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts_per_family=(args.prompts_per_family if args.prompts_per_family is not None
                             else per_family) or None,
         families=[f.strip() for f in args.families.split(",") if f.strip()],
-        num_prompts=args.num_prompts,
+        num_prompts=args.num_prompts, rounds=args.rounds,
         max_tokens=args.max_tokens or max_tokens, max_model_len=args.max_model_len,
         dtype=args.dtype, loads=loads, concurrency=args.concurrency,
         temperature=args.temperature, seed=args.seed, chat=not args.no_chat_template,

@@ -49,6 +49,7 @@ from benchmarks.spec_bench import (
     Prompt,
     load_questions,
     first_across_families,
+    repeated_rounds,
     select_prompts,
     write_raw_prompts,
     write_subset,
@@ -74,6 +75,7 @@ class RunSettings:
     quick: bool = False
     prompts_per_family: int | None = 10
     num_prompts: int | None = None  # at most this many, taken in turn from each family
+    rounds: int = 1  # the prompts sent this many times in a row (a repeated workload)
     families: list[str] = field(default_factory=lambda: list(FAMILIES))
     max_tokens: int = 256
     max_model_len: int = 4096
@@ -358,6 +360,7 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
     prompts = select_prompts(rows, settings.prompts_per_family, settings.families, keep=fits)
     if settings.num_prompts:
         prompts = first_across_families(prompts, settings.num_prompts)
+    prompts = repeated_rounds(prompts, settings.rounds)
     for p in prompts:
         p.prompt_token_ids = encode(tokenizer, p.text, chat)
     subset_path = os.path.join(settings.out_dir, "prompts.jsonl")

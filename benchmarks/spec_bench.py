@@ -7,6 +7,7 @@ Spec-Bench's batch-1 evaluation and vLLM's `spec_bench` dataset.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -49,6 +50,16 @@ def load_questions(path: str) -> list[dict[str, Any]]:
         if not row.get("turns"):
             raise ValueError(f"{path}: question {row.get('question_id')} has no 'turns'")
     return rows
+
+
+def repeated_rounds(prompts: list[Prompt], rounds: int) -> list[Prompt]:
+    """The prompts ``rounds`` times in a row; round r's copy of prompt i has index
+    ``i + r * len(prompts)`` (same family, question and text)."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    return [dataclasses.replace(p, index=p.index + r * len(prompts),
+                                prompt_token_ids=list(p.prompt_token_ids))
+            for r in range(rounds) for p in prompts]
 
 
 def select_prompts(rows: Iterable[dict[str, Any]], per_family: int | None,

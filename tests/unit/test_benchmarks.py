@@ -37,7 +37,7 @@ from benchmarks.methods import (
 from benchmarks.placement import descendants, snapshot_process
 from benchmarks.report import describe_placement, render_markdown
 from benchmarks.served import ServeSettings, bench_command, parse_bench_result
-from benchmarks.spec_bench import FAMILIES, family_of, select_prompts
+from benchmarks.spec_bench import FAMILIES, family_of, repeated_rounds, select_prompts
 from benchmarks.summary import attach_margins, divergence_queries, summarize, summary_loads
 
 # ------------------------------------------------------------------------------------------
@@ -887,3 +887,16 @@ def test_a_variant_can_add_a_drafter_to_the_collective():
             "+num_speculative_tokens": [1]}})[0], MethodSettings(
             drafts=("/d",), variants=MethodSettings.variants_of({"bad": {
                 "+num_speculative_tokens": [1]}})), [0, 1])
+
+
+def test_rounds_repeat_the_prompts_in_order_with_indices_of_their_own():
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}"]}
+            for i, c in enumerate(["writing", "translation", "summarization"])]
+    prompts = select_prompts(rows, 1, ["mt_bench", "translation", "summarization"])
+    twice = repeated_rounds(prompts, 2)
+    assert [p.index for p in twice] == [0, 1, 2, 3, 4, 5]
+    assert [p.text for p in twice] == ["q0", "q1", "q2"] * 2
+    assert [p.family for p in twice[3:]] == [p.family for p in prompts]
+    assert repeated_rounds(prompts, 1) == prompts
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        repeated_rounds(prompts, 0)
