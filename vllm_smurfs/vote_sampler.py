@@ -7,6 +7,12 @@ and the voted chain is the heaviest root-to-leaf path. After the target has veri
 every drafter is scored on how much of *its own* draft the target agreed with, and its weight is
 updated multiplicatively, so drafters that are right on the current text gain influence.
 
+For sampled drafts (temperature > 0) the vote cannot pick a token after seeing it; the mixture
+rule at the end of this module (`mixture_step`, derivation above it) picks a drafter by weight at
+each position and verifies against the weighted mixture of the drafters still on the chain. It is
+the rule only, proven lossless by exact enumeration in the tests; the engine does not use it yet
+(the in-worker drafters draft greedily, and vLLM verifies their chains as point masses).
+
 This module is pure (stdlib only, no vllm/torch) so it can be unit-tested and reused outside the
 engine; it runs per request per step, on drafts of ~16 tokens from <= ~8 drafters.
 """
@@ -19,9 +25,12 @@ from dataclasses import dataclass
 
 __all__ = [
     "DrafterWeights",
+    "MixtureStep",
     "VoteResult",
     "WeightUpdateRule",
     "matched_prefix_len",
+    "mixture_step",
+    "sample_mixture_chain",
     "score_draft",
     "weighted_prefix_vote",
 ]
@@ -279,3 +288,112 @@ class DrafterWeights:
 
     def __repr__(self) -> str:
         return f"DrafterWeights({self._weights!r}, rule={self._rule!r})"
+
+
+# -------------------------------------------------------------------- sampling: the mixture rule
+#
+# At temperature > 0 a voted chain must be verified against the distribution it was drawn from,
+# or the output is not the target's distribution. The rule here (for the collective's sampled
+# drafts; greedy drafts keep the vote above):
+#
+# Drafter i has sampled its own draft d_i autoregressively from its distribution q_i (a model
+# drafter at the request's sampling settings; a model-free voter is a point mass on its token).
+# Position j of the chain x, given x_<j:
+#   1. The members S_j are the drafters whose draft continues x_<j: len(d_i) > j and
+#      d_i[:j] == x_<j. Their d_i[j] ~ q_i( . | x_<j), drawn independently of the target. (The
+#      chain stops where S_j is empty, or where a rule that looks only at x_<j and S_j says so.)
+#   2. Pick a member I with probability w_I / W, W = sum of w_i over S_j (fresh randomness), and
+#      set x_j = d_I[j].
+#   3. Verify x_j against the mixture q_j = sum_{i in S_j} (w_i / W) q_i( . | x_<j): accept with
+#      probability min(1, p(x_j) / q_j(x_j)); on rejection emit a token drawn from
+#      max(0, p - q_j) normalised, and stop.
+#
+# Why lossless. Given x_<j (accepted) and S_j, the law of x_j is exactly q_j: member i is picked
+# with probability w_i / W and its token is a fresh draw from q_i( . | x_<j), independent of how
+# S_j came about (S_j depends on the members' tokens at positions < j only). Step 3 is then the
+# standard speculative sampling test, whose output at position j has law
+#   q_j(y) min(1, p(y)/q_j(y)) + (1 - sum_z min(p(z), q_j(z))) * max(0, p(y) - q_j(y)) / Z = p(y)
+# with Z = sum_z max(0, p(z) - q_j(z)) = 1 - sum_z min(p(z), q_j(z)). Conditioning on the
+# output so far (x_<j accepted) and on any S_j, position j is p( . | x_<j); by induction over the
+# positions (and the target's own bonus token after the last), the whole output is the target's.
+# What is not lossless: letting the vote pick the heaviest token after seeing the members' tokens
+# (x_j is then not drawn from q_j, nor from the winner's q_i). The test suite enumerates both.
+#
+# What it accepts: sum_y min(p(y), q_j(y)) >= sum_i (w_i / W) sum_y min(p(y), q_i(y)) (min(p, .)
+# is concave), so the mixture accepts at least the weighted average of its members, and as much
+# as the best member when the weights favour it.
+
+
+@dataclass(frozen=True)
+class MixtureStep:
+    """Position j of a sampled chain under the mixture rule (see above)."""
+
+    members: tuple[int, ...]  # drafters whose draft continues the chain so far (S_j)
+    proposal: dict[int, float]  # law of x_j given the drafts: token -> probability
+    q: Sequence[float]  # the mixture q_j over the vocabulary, what x_j is verified against
+
+
+def mixture_step(drafts: Sequence[Sequence[int]],
+                 dists: Sequence[Sequence[Sequence[float]] | None],
+                 weights: Sequence[float], chain: Sequence[int], vocab_size: int
+                 ) -> MixtureStep | None:
+    """The members, the law of the next chain token and the mixture q at position len(chain).
+
+    ``drafts[i]``: drafter i's own sampled draft; ``dists[i][j]``: its distribution q_i at its
+    position j (over the vocabulary), or ``dists[i] is None`` for a model-free voter (a point
+    mass on its token). None when no drafter continues the chain.
+
+    Raises:
+        ValueError: on mismatched lengths, bad weights, or a distribution of the wrong size.
+    """
+    n = len(drafts)
+    _validate_weights(weights, n)
+    if len(dists) != n:
+        raise ValueError(f"dists has {len(dists)} entries but there are {n} drafts")
+    j = len(chain)
+    members = tuple(i for i, d in enumerate(drafts)
+                    if len(d) > j and all(d[t] == chain[t] for t in range(j)))
+    if not members:
+        return None
+    total = sum(weights[i] for i in members)
+    q = [0.0] * vocab_size
+    proposal: dict[int, float] = {}
+    for i in members:
+        share = weights[i] / total
+        token = drafts[i][j]
+        proposal[token] = proposal.get(token, 0.0) + share
+        dist = dists[i]
+        if dist is None:
+            q[token] += share
+            continue
+        row = dist[j]
+        if len(row) != vocab_size:
+            raise ValueError(f"dists[{i}][{j}] has {len(row)} entries, expected {vocab_size}")
+        for token_id, prob in enumerate(row):
+            if prob:
+                q[token_id] += share * prob
+    return MixtureStep(members, proposal, q)
+
+
+def sample_mixture_chain(drafts: Sequence[Sequence[int]],
+                         dists: Sequence[Sequence[Sequence[float]] | None],
+                         weights: Sequence[float], max_len: int, vocab_size: int,
+                         uniforms: Sequence[float]) -> tuple[list[int], list[Sequence[float]]]:
+    """The chain (up to ``max_len`` tokens) and each position's mixture q, picking the member at
+    position j by ``uniforms[j]`` in [0, 1) (fresh randomness; one per position)."""
+    chain: list[int] = []
+    qs: list[Sequence[float]] = []
+    while len(chain) < max_len:
+        step = mixture_step(drafts, dists, weights, chain, vocab_size)
+        if step is None:
+            break
+        u = uniforms[len(chain)]
+        token, cumulative = None, 0.0
+        for token, prob in step.proposal.items():
+            cumulative += prob
+            if u < cumulative:
+                break
+        assert token is not None
+        chain.append(token)
+        qs.append(step.q)
+    return chain, qs

@@ -1,0 +1,159 @@
+"""The mixture rule of sampled collective drafts (vote_sampler: `mixture_step`,
+`sample_mixture_chain`): lossless by exact enumeration on small distributions, and a control
+(the vote picking the token after seeing the drafts, verified against the winner's q) that is not."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+from vllm_smurfs.vote_sampler import MixtureStep, mixture_step, sample_mixture_chain
+
+V = 3  # vocabulary
+K = 2  # lookahead
+L = 3  # output positions compared (past the lookahead: the bonus token and one more)
+
+
+class Model:
+    """A distribution over V tokens for every prefix, drawn once per prefix (seeded)."""
+
+    def __init__(self, seed: int, concentration: float = 1.0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.concentration = concentration
+        self.table: dict[tuple[int, ...], np.ndarray] = {}
+
+    def __call__(self, prefix: Sequence[int]) -> np.ndarray:
+        key = tuple(prefix)
+        if key not in self.table:
+            self.table[key] = self.rng.dirichlet([self.concentration] * V)
+        return self.table[key]
+
+
+def _drafts(model: Model) -> list[tuple[list[int], float, list[np.ndarray]]]:
+    """Every draft of K tokens a drafter can sample: (tokens, probability, its q rows)."""
+    out = []
+    for tokens in itertools.product(range(V), repeat=K):
+        rows = [model(tokens[:j]) for j in range(K)]
+        out.append((list(tokens), float(np.prod([rows[j][t] for j, t in enumerate(tokens)])),
+                    rows))
+    return out
+
+
+Verify = Callable[[MixtureStep, list[list[int]], list], tuple[dict[int, float], Callable]]
+
+
+def output_law(target: Model, models: list[Model], voter: list[int], weights: list[float],
+               control: bool = False) -> dict[tuple[int, ...], float]:
+    """Exact law of the first L output tokens: every drafter sample, every member pick, every
+    accept/reject outcome and residual token, then the target's own tokens past the step."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def finish(out: list[int], prob: float) -> None:
+        if len(out) >= L:
+            law[tuple(out[:L])] += prob
+            return
+        for y, py in enumerate(target(out)):
+            finish(out + [y], prob * py)
+
+    def explore(drafts, dists, chain: list[int], prob: float) -> None:
+        step = mixture_step(drafts, dists, weights, chain, V) if len(chain) < K else None
+        if step is None:
+            finish(chain, prob)  # the bonus token and on: the target's own
+            return
+        p = target(chain)
+        if control:
+            # The vote sees the tokens, takes the heaviest, and verifies it against the q of the
+            # first member that drafted it.
+            token = max(step.proposal, key=lambda t: (step.proposal[t], -t))
+            winner = next(i for i in step.members if drafts[i][len(chain)] == token)
+            q = (np.eye(V)[token] if dists[winner] is None else dists[winner][len(chain)])
+            picks = {token: 1.0}
+        else:
+            q, picks = np.asarray(step.q), step.proposal
+        for x, px in picks.items():
+            accept = min(1.0, p[x] / q[x])
+            explore(drafts, dists, chain + [x], prob * px * accept)
+            residual = np.maximum(0.0, p - q)
+            if accept < 1.0:
+                residual = residual / residual.sum()
+                for y, ry in enumerate(residual):
+                    if ry:
+                        finish(chain + [y], prob * px * (1.0 - accept) * ry)
+
+    for combo in itertools.product(*[_drafts(m) for m in models]):
+        drafts = [c[0] for c in combo] + [voter]
+        dists = [c[2] for c in combo] + [None]
+        explore(drafts, dists, [], float(np.prod([c[1] for c in combo])))
+    return law
+
+
+def target_law(target: Model) -> dict[tuple[int, ...], float]:
+    return {seq: float(np.prod([target(seq[:j])[t] for j, t in enumerate(seq)]))
+            for seq in itertools.product(range(V), repeat=L)}
+
+
+def _tv(a: dict, b: dict) -> float:
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_mixture_rule_keeps_the_targets_distribution_exactly(seed):
+    target = Model(100 + seed)
+    drafters = [Model(200 + seed, 0.5), Model(300 + seed, 2.0)]  # peaked and flat
+    law = output_law(target, drafters, voter=[seed % V, (seed + 1) % V],
+                     weights=[1.0, 2.5, 0.7])
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
+    assert _tv(law, target_law(target)) < 1e-12
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_vote_picking_after_seeing_the_tokens_is_not_lossless(seed):
+    # The control: same drafts, same weights, but the heaviest token is taken and verified
+    # against its drafter's own q. Its output law is measurably not the target's.
+    target = Model(100 + seed)
+    drafters = [Model(200 + seed, 0.5), Model(300 + seed, 2.0)]
+    law = output_law(target, drafters, voter=[seed % V, (seed + 1) % V],
+                     weights=[1.0, 2.5, 0.7], control=True)
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
+    assert _tv(law, target_law(target)) > 1e-3
+
+
+def test_point_mass_voters_alone_are_verified_as_point_masses():
+    # Model-free voters only: q is one-hot on each token they propose (with their weights), as
+    # vLLM verifies drafts without probabilities when they agree.
+    step = mixture_step([[2, 0], [2, 1]], [None, None], [1.0, 3.0], [], V)
+    assert step is not None and step.members == (0, 1)
+    assert step.proposal == {2: 1.0} and list(step.q) == [0.0, 0.0, 1.0]
+    step = mixture_step([[2, 0], [2, 1]], [None, None], [1.0, 3.0], [2], V)
+    assert step.proposal == {0: 0.25, 1: 0.75} and list(step.q) == [0.25, 0.75, 0.0]
+    assert mixture_step([[2, 0], [2, 1]], [None, None], [1.0, 3.0], [2, 1], V) is None
+
+
+def test_the_mixture_accepts_at_least_its_members_weighted_average():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p, q1, q2 = rng.dirichlet([0.7] * V, size=3)
+        w = rng.uniform(0.1, 5.0, size=2)
+        step = mixture_step([[0], [1]], [[list(q1)], [list(q2)]], list(w), [], V)
+        mixed = np.minimum(p, step.q).sum()
+        average = (w[0] * np.minimum(p, q1).sum() + w[1] * np.minimum(p, q2).sum()) / w.sum()
+        assert mixed >= average - 1e-12
+
+
+def test_sampling_a_chain_follows_the_proposal_and_stops_where_no_member_continues():
+    drafts = [[0, 1, 2], [0, 2], [1]]
+    dists = [None, None, None]
+    # u < 2/3 picks token 0 (members 0 and 1, weight 2 of 3) at position 0; then among members
+    # 0 and 1 (weights 1, 1): u < 0.5 picks member 0's token 1, else member 1's token 2.
+    chain, qs = sample_mixture_chain(drafts, dists, [1.0, 1.0, 1.0], 3, V, [0.1, 0.2, 0.0])
+    assert chain == [0, 1, 2] and len(qs) == 3
+    chain, _ = sample_mixture_chain(drafts, dists, [1.0, 1.0, 1.0], 3, V, [0.1, 0.7, 0.0])
+    assert chain == [0, 2]  # member 1's draft ends there
+    chain, _ = sample_mixture_chain(drafts, dists, [1.0, 1.0, 1.0], 3, V, [0.9, 0.0, 0.0])
+    assert chain == [1]
+    with pytest.raises(ValueError, match="expected 3"):
+        mixture_step([[0]], [[[0.5, 0.5]]], [1.0], [], V)
