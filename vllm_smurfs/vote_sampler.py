@@ -13,8 +13,8 @@ each position and verifies against the weighted mixture of the drafters still on
 the rule only, proven lossless by exact enumeration in the tests; the engine does not use it yet
 (the in-worker drafters draft greedily, and vLLM verifies their chains as point masses).
 
-This module is pure (stdlib only, no vllm/torch) so it can be unit-tested and reused outside the
-engine; it runs per request per step, on drafts of ~16 tokens from <= ~8 drafters.
+This module is pure (stdlib and numpy, no vllm/torch) so it can be unit-tested and reused
+outside the engine; it runs per request per step, on drafts of ~16 tokens from <= ~8 drafters.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 __all__ = [
     "DrafterWeights",
@@ -330,7 +332,7 @@ class MixtureStep:
 
     members: tuple[int, ...]  # drafters whose draft continues the chain so far (S_j)
     proposal: dict[int, float]  # law of x_j given the drafts: token -> probability
-    q: Sequence[float]  # the mixture q_j over the vocabulary, what x_j is verified against
+    q: np.ndarray  # [vocab_size] the mixture q_j, what x_j is verified against
 
 
 def mixture_step(drafts: Sequence[Sequence[int]],
@@ -356,7 +358,7 @@ def mixture_step(drafts: Sequence[Sequence[int]],
     if not members:
         return None
     total = sum(weights[i] for i in members)
-    q = [0.0] * vocab_size
+    q = np.zeros(vocab_size)
     proposal: dict[int, float] = {}
     for i in members:
         share = weights[i] / total
@@ -366,23 +368,21 @@ def mixture_step(drafts: Sequence[Sequence[int]],
         if dist is None:
             q[token] += share
             continue
-        row = dist[j]
-        if len(row) != vocab_size:
-            raise ValueError(f"dists[{i}][{j}] has {len(row)} entries, expected {vocab_size}")
-        for token_id, prob in enumerate(row):
-            if prob:
-                q[token_id] += share * prob
+        row = np.asarray(dist[j], dtype=np.float64)
+        if row.shape != (vocab_size,):
+            raise ValueError(f"dists[{i}][{j}] has shape {row.shape}, expected ({vocab_size},)")
+        q += share * row
     return MixtureStep(members, proposal, q)
 
 
 def sample_mixture_chain(drafts: Sequence[Sequence[int]],
                          dists: Sequence[Sequence[Sequence[float]] | None],
                          weights: Sequence[float], max_len: int, vocab_size: int,
-                         uniforms: Sequence[float]) -> tuple[list[int], list[Sequence[float]]]:
+                         uniforms: Sequence[float]) -> tuple[list[int], list[np.ndarray]]:
     """The chain (up to ``max_len`` tokens) and each position's mixture q, picking the member at
     position j by ``uniforms[j]`` in [0, 1) (fresh randomness; one per position)."""
     chain: list[int] = []
-    qs: list[Sequence[float]] = []
+    qs: list[np.ndarray] = []
     while len(chain) < max_len:
         step = mixture_step(drafts, dists, weights, chain, vocab_size)
         if step is None:
