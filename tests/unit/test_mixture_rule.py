@@ -1,6 +1,7 @@
 """The mixture rule of sampled collective drafts (vote_sampler: `mixture_step`,
 `sample_mixture_chain`): lossless by exact enumeration on small distributions, and a control
-(the vote picking the token after seeing the drafts, verified against the winner's q) that is not."""
+(the vote picking the token after seeing the drafts, verified against the winner's q) that is
+not."""
 
 from __future__ import annotations
 
