@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
-from vllm_smurfs.vote_sampler import MixtureStep, mixture_step, sample_mixture_chain
+from vllm_smurfs.vote_sampler import mixture_step, sample_mixture_chain
 
 V = 3  # vocabulary
 K = 2  # lookahead
@@ -42,9 +42,6 @@ def _drafts(model: Model) -> list[tuple[list[int], float, list[np.ndarray]]]:
         out.append((list(tokens), float(np.prod([rows[j][t] for j, t in enumerate(tokens)])),
                     rows))
     return out
-
-
-Verify = Callable[[MixtureStep, list[list[int]], list], tuple[dict[int, float], Callable]]
 
 
 def output_law(target: Model, models: list[Model], voter: list[int], weights: list[float],
