@@ -6,6 +6,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import sys
 from typing import Any
@@ -27,10 +28,17 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
     for name in names:
         try:
             dist = importlib.metadata.distribution(name)
-            versions[name] = dist.version if dist.metadata["Name"].lower() == name else None
+            # Compared as PEP 503 normalises names: arctic-inference's metadata says
+            # "arctic_inference".
+            found = _normalized(dist.metadata["Name"]) == _normalized(name)
+            versions[name] = dist.version if found else None
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return versions
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def git_state(root: str = REPO_ROOT) -> dict[str, Any]:

@@ -900,3 +900,12 @@ def test_rounds_repeat_the_prompts_in_order_with_indices_of_their_own():
     assert repeated_rounds(prompts, 1) == prompts
     with pytest.raises(ValueError, match="--rounds must be >= 1"):
         repeated_rounds(prompts, 0)
+
+
+def test_provenance_finds_distributions_whatever_their_metadata_spells():
+    from benchmarks.provenance import package_versions
+
+    # arctic-inference's metadata names it "arctic_inference"; pytest's is "pytest".
+    versions = package_versions(("arctic-inference", "pytest", "no-such-package"))
+    assert versions["arctic-inference"] is not None and versions["pytest"] is not None
+    assert versions["no-such-package"] is None

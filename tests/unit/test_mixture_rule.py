@@ -1,17 +1,18 @@
 """The mixture rule of sampled collective drafts (vote_sampler: `mixture_step`,
 `sample_mixture_chain`): lossless by exact enumeration on small distributions, and a control
-(the vote picking the token after seeing the drafts, verified against the winner's q) that is not."""
+(the vote picking the token after seeing the drafts, verified against the winner's q) that is
+not."""
 
 from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
-from vllm_smurfs.vote_sampler import MixtureStep, mixture_step, sample_mixture_chain
+from vllm_smurfs.vote_sampler import mixture_step, sample_mixture_chain
 
 V = 3  # vocabulary
 K = 2  # lookahead
@@ -41,9 +42,6 @@ def _drafts(model: Model) -> list[tuple[list[int], float, list[np.ndarray]]]:
         out.append((list(tokens), float(np.prod([rows[j][t] for j, t in enumerate(tokens)])),
                     rows))
     return out
-
-
-Verify = Callable[[MixtureStep, list[list[int]], list], tuple[dict[int, float], Callable]]
 
 
 def output_law(target: Model, models: list[Model], voter: list[int], weights: list[float],

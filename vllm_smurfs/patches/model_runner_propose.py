@@ -6,12 +6,14 @@ state, vote weights and the previous draft per request, so it needs all of these
 How: before vLLM's own body runs, hand the proposer a `StepContext` built from
 ``input_batch.req_ids`` and the scheduler output (lifecycle events, lookahead cap, drafts
 verified, tokens computed), the rows' prompt lengths (the suffix voter's prompt trees) and the
-runner itself (in-worker drafters address their KV cache through its block tables), and mark the step's propose call as come (`model_runner_execute`
-tells the proposer of the steps vLLM skips it in). After it, cut each draft before its first id
-the target has no row for: drafters share the target's tokenizer, but a drafter's embedding may
-be padded past the target's (the target's rejection sampler indexes its logits with the draft).
+runner itself (in-worker drafters address their KV cache through its block tables), and mark the
+step's propose call as come (`model_runner_execute` tells the proposer of the steps vLLM skips it
+in). After it, cut each draft before its first id the target has no row for: drafters share the
+target's tokenizer, but a drafter's embedding may be padded past the target's (the target's
+rejection sampler indexes its logits with the draft).
 The CPU runner inherits this method.
-When it can go: when vLLM passes request ids and lifecycle events to custom proposers.
+When it can go: when vLLM passes request ids, lifecycle events and prompt lengths to custom
+proposers.
 """
 
 from __future__ import annotations
