@@ -18,6 +18,7 @@ from typing import Any
 
 from smurfs_tools.jobs import Job, Result, divergences, run_job
 from smurfs_tools.tiny_models import TINY_PROMPTS, build_tiny_family
+from vllm_smurfs.config import suffix_available
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "vllm-smurfs", "tiny-models")
 
@@ -30,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="draft model path; repeat for several (default: 3 tiny drafts)")
     parser.add_argument("--no-ngram", action="store_true",
                         help="leave the n-gram voter out of the Smurfs ensemble")
+    parser.add_argument("--no-suffix", action="store_true",
+                        help="leave the suffix voter out of the Smurfs ensemble (it is left out "
+                             "anyway where arctic-inference is not installed)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--num-prompts", type=int, default=None,
@@ -64,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         methods.append((f"draft_model k={k} ({_short(path)})",
                         {"method": "draft_model", "model": path, "num_speculative_tokens": k}))
     voters: list[dict[str, Any]] = [] if args.no_ngram else [{"method": "ngram"}]
+    if not args.no_suffix and suffix_available():
+        voters.append({"method": "suffix"})
     smurfs = {"method": "smurfs", "num_speculative_tokens": k,
               "drafters": [{"model": p} for p in drafts] + voters}
-    ensemble = f"{len(drafts)} drafts{' + ngram' if voters else ''}"
+    ensemble = " + ".join([f"{len(drafts)} drafts"] + [v["method"] for v in voters])
     # The same lookahead as draft_model, drafts voted on complete: the vote's own worth.
     methods.append((f"smurfs k={k} sync ({ensemble})",
                     {**smurfs, "pipeline": False, "lookahead": {"policy": "fixed"}}))
