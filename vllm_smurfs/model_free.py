@@ -172,10 +172,10 @@ class SuffixVoter:
     def propose(self, req_id: str, context: np.ndarray, k: int,
                 num_prompt_tokens: int | None = None) -> list[int]:
         """Up to ``k`` draft tokens continuing ``context`` (may be empty); feeds the cache."""
-        self.observe(req_id, context, num_prompt_tokens)
+        ctx = np.ascontiguousarray(context, dtype=np.int32)  # once: observe reuses it uncopied
+        self.observe(req_id, ctx, num_prompt_tokens)
         if k <= 0:
             return []
-        ctx = np.ascontiguousarray(context, dtype=np.int32)
         draft = self.cache.speculate(
             req_id, ctx[-self.max_tree_depth:], max_spec_tokens=k,
             max_spec_factor=self.max_spec_factor, min_token_prob=self.min_token_prob)
