@@ -47,6 +47,22 @@ _DEFAULT_PRIOR_STRENGTH = 1.0
 _DEFAULT_GLOBAL_STEP_MEMORY = 1024.0
 
 
+# Temperature bands the acceptance is learnt in apart: a sampled draft is accepted with
+# probability sum min(p, q), which falls with the temperature (at 1 it is often half the greedy
+# acceptance), so one estimate across temperatures would mislead both. Band 0 is greedy; the
+# edges split the usual chat settings (0.2-0.5, 0.6-0.8, 1.0) from hotter ones.
+TEMPERATURE_BAND_EDGES = (1e-5, 0.55, 0.9, 1.1)
+
+
+def temperature_band(temperature: float) -> int:
+    """The band of a request's temperature: 0 greedy (<= 1e-5, vLLM's threshold), 1 up to 0.55,
+    2 up to 0.9, 3 up to 1.1, 4 hotter."""
+    for band, edge in enumerate(TEMPERATURE_BAND_EDGES):
+        if temperature <= edge:
+            return band
+    return len(TEMPERATURE_BAND_EDGES)
+
+
 @dataclass
 class _RequestCounts:
     successes: list[float]

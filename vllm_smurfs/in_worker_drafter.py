@@ -52,6 +52,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_smurfs.config import ModelDrafterConfig
+from vllm_smurfs.draft_sampling import RowSampling, sample_draft_rows
 from vllm_smurfs.drafter_client import DrafterHealth
 from vllm_smurfs.in_worker_kv import keep_kv_for_request_lifetime
 
@@ -76,6 +77,7 @@ class DraftRows:
     rows: np.ndarray  # [n] int: each request's row in the input batch (and its block table)
     contexts: list[np.ndarray]  # [n][num_tokens] int: each request's text so far
     caps: list[int]  # [n] most draft tokens per request
+    sampling: RowSampling | None = None  # the requests' sampling settings (None: all greedy)
 
 
 @dataclass
@@ -83,6 +85,9 @@ class DraftResult:
     tokens: list[list[int]]  # [n][<= cap] draft tokens per request
     confidences: list[list[float]]  # [n][same] the drafter's probability of each token
     passes: list[PassTiming] = field(default_factory=list)
+    # [n] for a request that samples: q [len(tokens[i]), vocab] its tokens were drawn from, on
+    # the device; None for greedy requests (and when no request samples: an empty list)
+    probs: list[torch.Tensor | None] = field(default_factory=list)
 
 
 #: stop(active, confidences, drafted_s) -> the requests (indices into DraftRows) that get one more
@@ -213,7 +218,8 @@ class InWorkerDrafter(DraftModelProposer):
         return self.health.alive and num_tokens < self.max_context
 
     def draft_safely(self, req_ids: list[str], rows: np.ndarray, contexts: list[np.ndarray],
-                     caps: list[int], runner: Any, stop: StopRule | None) -> DraftResult:
+                     caps: list[int], runner: Any, stop: StopRule | None,
+                     sampling: RowSampling | None = None) -> DraftResult:
         """`draft` through the runner's block table; an error costs speculation only: it is
         logged, the drafter left out for the rest of the run, and no draft returned. A fatal
         device error (a CUDA device-side assert, an illegal memory access: the device's state is
@@ -227,7 +233,7 @@ class InWorkerDrafter(DraftModelProposer):
                 raise self._injected_fault()
             table = runner.input_batch.block_table[self.kv_cache_gid].get_device_tensor(
                 runner.input_batch.num_reqs)
-            result = self.draft(DraftRows(req_ids, rows, contexts, caps), table, stop)
+            result = self.draft(DraftRows(req_ids, rows, contexts, caps, sampling), table, stop)
         except Exception as exc:  # noqa: BLE001 - a drafter's failure must not fail the step
             self.fail(f"{type(exc).__name__}: {exc}")
             if is_fatal_device_error(exc):
@@ -263,7 +269,8 @@ class InWorkerDrafter(DraftModelProposer):
     @torch.inference_mode()
     def draft(self, batch: DraftRows, block_table: torch.Tensor, stop: StopRule | None = None,
               max_tokens_per_forward: int | None = None) -> DraftResult:
-        """Draft for every request of ``batch``: up to ``caps[i]`` greedy tokens each.
+        """Draft for every request of ``batch``: up to ``caps[i]`` tokens each, greedy, or sampled
+        at the request's settings (``batch.sampling``; then its q rows are kept).
 
         ``block_table``: [num_rows, max_blocks] the block table of this drafter's KV cache group
         (the target's); row ``rows[i]`` addresses request i. ``stop`` decides after each forward
@@ -283,14 +290,17 @@ class InWorkerDrafter(DraftModelProposer):
         lengths = np.array([len(batch.contexts[i]) for i in range(n)], dtype=np.int64)
         budget = max_tokens_per_forward or self.max_num_tokens
         clock = _PassClock(self.device)
-        # Each forward's sampled tokens, on the device: (requests, tokens [m], confidences [m]).
-        sampled: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        # Each forward's sampled tokens, on the device: (requests, tokens [m], confidences [m],
+        # q [m, vocab] or None when the batch is greedy).
+        sampled: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        sampling = batch.sampling
         last = torch.zeros(n, dtype=torch.int64, device=self.device)  # latest draft token
         drafted = [0] * n
         confs = result.confidences  # filled per forward only for a stop rule
 
-        def keep(reqs: list[int], tokens: torch.Tensor, conf: torch.Tensor) -> None:
-            sampled.append((reqs, tokens, conf))
+        def keep(reqs: list[int], tokens: torch.Tensor, conf: torch.Tensor,
+                 probs: torch.Tensor | None) -> None:
+            sampled.append((reqs, tokens, conf, probs))
             last[self._to_device(np.asarray(reqs, dtype=np.int64))] = tokens
             for i in reqs:
                 drafted[i] += 1
@@ -316,7 +326,8 @@ class InWorkerDrafter(DraftModelProposer):
             last_of = [(i, int(ends[k])) for k, (i, _, e) in enumerate(chunk) if e == lengths[i]]
             if last_of:  # segments that end the text yield the first draft token
                 pick = self._to_device(np.array([row for _, row in last_of], dtype=np.int64))
-                keep([i for i, _ in last_of], *self._sample(hidden[pick]))
+                reqs = [i for i, _ in last_of]
+                keep(reqs, *self._sample(hidden[pick], sampling, reqs))
             for i, _, e in chunk:
                 self._synced[batch.req_ids[i]] = e
             clock.stop(len(ids), len(chunk), first=True)
@@ -334,30 +345,40 @@ class InWorkerDrafter(DraftModelProposer):
             hidden = self._forward(last[self._to_device(np.asarray(active, dtype=np.int64))],
                                    positions, np.ones(len(active), dtype=np.int64),
                                    positions + 1, batch.rows[active], block_table)
-            keep(active, *self._sample(hidden))
+            keep(active, *self._sample(hidden, sampling, active))
             clock.stop(len(active), len(active), first=False)
             step += 1
             active = [i for i in active if drafted[i] < batch.caps[i]
                       and lengths[i] + step < self.max_context]
-        self._collect(sampled, result, with_confidences=stop is None)
+        self._collect(sampled, result, with_confidences=stop is None,
+                      sampling_rows=None if sampling is None else sampling.sampled())
         result.passes = clock.passes()
         return result
 
     @staticmethod
-    def _collect(sampled: list[tuple[list[int], torch.Tensor, torch.Tensor]],
-                 result: DraftResult, with_confidences: bool) -> None:
-        """Every forward's tokens (and confidences) to the host in one copy, in order."""
+    def _collect(sampled: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                 result: DraftResult, with_confidences: bool,
+                 sampling_rows: np.ndarray | None) -> None:
+        """Every forward's tokens (and confidences) to the host in one copy, in order; the q
+        rows of the requests that sample stay on the device, one [len, vocab] tensor each."""
         if not sampled:
             return
-        values = torch.cat([torch.stack((t.double(), c.double())) for _, t, c in sampled],
+        values = torch.cat([torch.stack((t.double(), c.double())) for _, t, c, _ in sampled],
                            dim=1).tolist()  # token ids are exact in float64
         k = 0
-        for reqs, _, _ in sampled:
-            for i in reqs:
+        rows: dict[int, list[torch.Tensor]] = {}
+        for reqs, _, _, probs in sampled:
+            for local, i in enumerate(reqs):
                 result.tokens[i].append(int(values[0][k]))
                 if with_confidences:
                     result.confidences[i].append(values[1][k])
+                if sampling_rows is not None and sampling_rows[i]:
+                    assert probs is not None
+                    rows.setdefault(i, []).append(probs[local])
                 k += 1
+        if sampling_rows is not None:
+            result.probs = [torch.stack(rows[i]) if i in rows else None
+                            for i in range(len(result.tokens))]
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the drafter's device without a host sync: a pinned staging copy and a
@@ -421,11 +442,18 @@ class InWorkerDrafter(DraftModelProposer):
             return logits[:, :limit] if logits.shape[-1] > limit else logits
         return torch.nn.functional.linear(hidden, weight[:limit])
 
-    def _sample(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy tokens [n] and the drafter's probability of each [n], on the device."""
+    def _sample(self, hidden: torch.Tensor, sampling: RowSampling | None = None,
+                reqs: list[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [n] and the drafter's probability of each [n], on the device: greedy, or
+        sampled at the settings of requests ``reqs`` of ``sampling`` (then also q [n, vocab])."""
         logits = self._logits(hidden).float()
+        if sampling is not None and reqs is not None:
+            rows = sampling.take(reqs)
+            if rows.sampled().any():
+                return sample_draft_rows(logits, rows)
         conf, token = torch.softmax(logits, dim=-1).max(dim=-1)
-        return token, conf
+        return token, conf, None
 
     # -- warm-up (called once the KV cache exists) ---------------------------------------------
     @torch.inference_mode()

@@ -160,6 +160,21 @@ _PROMPT_SMOOTHING = 0.5
 _OVERHEAD_SMOOTHING = 0.2
 
 
+class _BandEstimates:
+    """What the controller learns of acceptance in one temperature band: the model-free chain's,
+    the voted chain's with model drafts (with a model-free chain beside them, and alone: where a
+    model draft pays most), and each in-worker drafter's confidence calibration."""
+
+    def __init__(self, max_lookahead: int, num_worker_drafters: int) -> None:
+        self.free = AcceptanceModel(max_lookahead)
+        self.models = {True: AcceptanceModel(max_lookahead),
+                       False: AcceptanceModel(max_lookahead)}
+        self.calibrations = [ConfidenceCalibration() for _ in range(num_worker_drafters)]
+
+    def acceptance_models(self) -> list[AcceptanceModel]:
+        return [self.free, *self.models.values()]
+
+
 class LengthController:
     """The one adaptive controller (see the module docstring).
 
@@ -187,17 +202,14 @@ class LengthController:
         self.sync_drafters = sync_drafters
         self.has_models = bool(num_worker_drafters or streaming or sync_drafters)
         self.force_models = self.has_models and (min_lookahead > 0 or not pause_models)
-        self.acceptance_free = AcceptanceModel(max_lookahead)
-        # Voted chains with model drafts in their vote: with a model-free chain beside them, and
-        # alone (the request had none: where a model draft pays most).
-        self.acceptance_models = {True: AcceptanceModel(max_lookahead),
-                                  False: AcceptanceModel(max_lookahead)}
+        # What is learnt of acceptance, per temperature band (`acceptance.temperature_band`):
+        # created at a band's first request.
+        self._bands: dict[int, _BandEstimates] = {}
         self.target_cost = StepCostModel()
         # With streaming drafters, steps while they draft have a curve of their own (the target
         # may lend them cores; never priced below the curve without).
         self.target_cost_streaming = StepCostModel()
         self.pass_costs = [StepCostModel() for _ in range(num_worker_drafters)]
-        self.calibrations = [ConfidenceCalibration() for _ in range(num_worker_drafters)]
         self.draft_cost = DraftCostModel()  # streaming engine steps, synchronous calls
         self.switch = (StreamingSwitch(always_on=self.force_models) if streaming else None)
         self._prompt = 0.0  # predicted prompt-chunk tokens of the next step
@@ -213,6 +225,31 @@ class LengthController:
                        "with_models": 0, "in_hand_only": 0, "no_draft": 0,
                        "without_models_free_chain": 0, "without_models_no_chain": 0}
         self._last: dict[str, Any] = {}
+
+    def band(self, band: int) -> _BandEstimates:
+        """The estimates of temperature band ``band`` (0: greedy)."""
+        if band not in self._bands:
+            self._bands[band] = _BandEstimates(self.max_lookahead, self.num_worker_drafters)
+        return self._bands[band]
+
+    # The greedy band's estimates (the snapshot's, and the tests').
+    @property
+    def acceptance_free(self) -> AcceptanceModel:
+        return self.band(0).free
+
+    @property
+    def acceptance_models(self) -> dict[bool, AcceptanceModel]:
+        return self.band(0).models
+
+    @property
+    def calibrations(self) -> list[ConfidenceCalibration]:
+        return self.band(0).calibrations
+
+    def _free_acceptance(self, r: PlanRequest) -> AcceptanceModel:
+        return self.band(r.band).free
+
+    def _models_acceptance(self, r: PlanRequest) -> AcceptanceModel:
+        return self.band(r.band).models[r.free_len > 0]
 
     @property
     def streaming(self) -> bool:
@@ -241,19 +278,21 @@ class LengthController:
 
     def observe(self, outcomes: Sequence[RequestOutcome]) -> None:
         """The last step's outcomes, one per request planned for."""
-        free: list[StepFeedback] = []
-        models: dict[bool, list[StepFeedback]] = {True: [], False: []}
+        free: dict[int, list[StepFeedback]] = {}
+        models: dict[tuple[int, bool], list[StepFeedback]] = {}
         for o in outcomes:
             if o.free is not None and o.free.tokens > 0:
-                free.append(StepFeedback(o.req_id, *o.free.seen))
+                free.setdefault(o.band, []).append(StepFeedback(o.req_id, *o.free.seen))
             if o.models and o.voted is not None and o.voted[0] > 0:
-                models[o.with_free].append(StepFeedback(o.req_id, *o.voted))
-            for cal, draft in zip(self.calibrations, o.drafters, strict=False):
+                models.setdefault((o.band, o.with_free), []).append(
+                    StepFeedback(o.req_id, *o.voted))
+            for cal, draft in zip(self.band(o.band).calibrations, o.drafters, strict=False):
                 if draft is not None:
                     cal.observe_draft(draft.confidences, draft.matched, draft.observed)
-        self.acceptance_free.observe(free)
-        for with_free, feedback in models.items():
-            self.acceptance_models[with_free].observe(feedback)
+        for band, feedback in free.items():
+            self.band(band).free.observe(feedback)
+        for (band, with_free), feedback in models.items():
+            self.band(band).models[with_free].observe(feedback)
         pending, self._pending = self._pending, None
         if pending is not None:
             kind, predicted = pending
@@ -268,9 +307,9 @@ class LengthController:
 
     def forget(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
-        self.acceptance_free.forget(req_ids)
-        for model in self.acceptance_models.values():
-            model.forget(req_ids)
+        for estimates in self._bands.values():
+            for model in estimates.acceptance_models():
+                model.forget(req_ids)
 
     def step_lost(self) -> None:
         """The last plan's step was verified unseen (vLLM skipped propose after it): its outcome
@@ -314,9 +353,11 @@ class LengthController:
             return Plan([], [[] for _ in range(nd)])
         self.steps += 1
         ids = [r.req_id for r in requests]
-        self.acceptance_free.tick(ids)
-        for model in self.acceptance_models.values():
-            model.tick(ids)
+        for r in requests:
+            self.band(r.band)  # a new band's estimates exist before they are read
+        for estimates in self._bands.values():
+            for model in estimates.acceptance_models():
+                model.tick(ids)
         top = max(0, min(self.max_lookahead, max_lookahead))
         caps = [min(top, r.cap) for r in requests]
         streaming = self.switch is not None and self.switch.on
@@ -328,6 +369,7 @@ class LengthController:
             plan = self._best_plan(requests, caps, can_model, streaming)
             self._pending = ("models" if plan.models or plan.sync_rows else "hand",
                              max(0.0, plan.expected_tokens - n))
+        plan.bands = [r.band for r in requests]
         self._count(requests, plan)
         return plan
 
@@ -394,7 +436,8 @@ class LengthController:
 
     def _unprobed(self, request: PlanRequest) -> bool:
         """Whether no verified model draft of this request is on record (in either context)."""
-        return all(request.req_id not in model for model in self.acceptance_models.values())
+        return all(request.req_id not in model
+                   for model in self.band(request.band).models.values())
 
     def yield_factor(self, kind: str) -> float:
         """Accepted over predicted drafts of the recent plans of ``kind`` (see _YIELD_MEMORY)."""
@@ -410,10 +453,10 @@ class LengthController:
         f = self.yield_factor("hand")
         for r, cap in zip(requests, caps, strict=True):
             if streaming and r.streamed_len > 0:
-                model = self.acceptance_models[r.free_len > 0]
+                model = self._models_acceptance(r)
                 qs = cumulative(model.request_acceptance(r.req_id, optimism), cap)
             else:
-                qs = cumulative(self.acceptance_free.request_acceptance(r.req_id),
+                qs = cumulative(self._free_acceptance(r).request_acceptance(r.req_id),
                                 min(cap, r.free_len))
             out.append(scaled(qs, f))
         return out
@@ -421,7 +464,7 @@ class LengthController:
     def _model_curves(self, requests: Sequence[PlanRequest], caps: list[int],
                       optimism: float) -> list[list[float]]:
         f = self.yield_factor("models")
-        return [scaled(cumulative(self.acceptance_models[r.free_len > 0].request_acceptance(
+        return [scaled(cumulative(self._models_acceptance(r).request_acceptance(
             r.req_id, optimism), cap), f) for r, cap in zip(requests, caps, strict=True)]
 
     def _best_plan(self, requests: Sequence[PlanRequest], caps: list[int], can_model: list[int],
@@ -470,9 +513,8 @@ class LengthController:
                 # The mean decides only where it rests on observations, and the forwards on
                 # measured costs; the rest is an experiment.
                 priced = all(not cost.is_empty for cost in self.pass_costs)
-                known = {ctx: priced and model.global_trials()[0] >= EVIDENCE_OBSERVATIONS
-                         for ctx, model in self.acceptance_models.items()}
-                evident = [i for i in can_model if known[requests[i].free_len > 0]]
+                evident = [i for i in can_model if priced and self._models_acceptance(
+                    requests[i]).global_trials()[0] >= EVIDENCE_OBSERVATIONS]
                 mean = self._model_choice(requests, caps, lows, evident, hand, hand_ks,
                                           mean_curves, rho, verify_s, value, limit)
                 if mean is not None and mean.value - hand_value > margin:
@@ -624,13 +666,13 @@ class LengthController:
 
         def streamed(optimism: float) -> list[list[float]]:
             delivery = self.switch.delivery
-            return [[delivery * q for q in cumulative(self.acceptance_models[
-                r.free_len > 0].request_acceptance(r.req_id, optimism), c)]
+            return [[delivery * q for q in cumulative(self._models_acceptance(
+                r).request_acceptance(r.req_id, optimism), c)]
                 for r, c in zip(requests, caps, strict=True)]
 
         if on:
             value_on = optimistic_on = current_value
-            value_off = best_value([cumulative(self.acceptance_free.request_acceptance(
+            value_off = best_value([cumulative(self._free_acceptance(r).request_acceptance(
                 r.req_id), min(c, r.free_len)) for r, c in zip(requests, caps, strict=True)],
                 False)
         else:
@@ -666,13 +708,14 @@ class LengthController:
         """
         if not active:
             return []
-        cal = self.calibrations[drafter]
+        rows = plan.model_rows[drafter]
         rho = plan.rho
         keep: list[tuple[int, float, float]] = []
         for i in active:
             confs = confidences[i]
             if not confs:
                 continue
+            cal = self.band(plan.bands[rows[i]] if plan.bands else 0).calibrations[drafter]
             q = 1.0
             for c in confs:
                 q *= cal(c)
@@ -755,6 +798,12 @@ class LengthController:
                           "calibration_observations": cal.num_observations}
                          for c, cal in zip(self.pass_costs, self.calibrations, strict=True)],
             "draft_cost": self.draft_cost.snapshot(),
+            # Sampled requests' estimates, per temperature band that has been seen.
+            "bands": {band: {"acceptance_free": rounded(e.free.global_acceptance()),
+                             "acceptance_models": rounded(e.models[False].global_acceptance()),
+                             "acceptance_models_with_free": rounded(
+                                 e.models[True].global_acceptance())}
+                      for band, e in sorted(self._bands.items()) if band > 0},
             "last_plan": {k: (round(v, 6) if isinstance(v, float) else v)
                           for k, v in self._last.items()},
         }

@@ -46,6 +46,9 @@ class DrafterStats:
 class SmurfsStats:
     steps: int = 0
     proposed_drafts: int = 0  # requests that got a non-empty voted draft
+    # Of those, the chains of the mixture rule (requests that sample; the others are the vote's,
+    # and only they count in the drafters' vote_wins).
+    sampled_drafts: int = 0
     verified_drafts: int = 0  # of those, the ones the target verified
     verified_draft_tokens: int = 0
     accepted_tokens: int = 0

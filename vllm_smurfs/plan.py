@@ -32,6 +32,7 @@ class PlanRequest:
     # cannot draft for it, e.g. past its context limit or failed).
     catch_up: tuple[int | None, ...] = ()
     remaining: int | None = None  # output tokens it may still produce (max_tokens left)
+    band: int = 0  # its temperature band (`acceptance.temperature_band`; 0: greedy)
 
     @property
     def room(self) -> int:
@@ -74,6 +75,7 @@ class Plan:
     # Per model row: the draft length the plan was priced at (drafts stop by the drafter's
     # confidence while drafting; the simulator, which has no confidences, drafts this many).
     draft_lens: dict[int, int] = field(default_factory=dict)
+    bands: list[int] = field(default_factory=list)  # per request: its temperature band
 
     @property
     def models(self) -> bool:
@@ -114,6 +116,7 @@ class RequestOutcome:
     models: bool = False
     with_free: bool = False
     drafters: tuple[DrafterOutcome | None, ...] = ()
+    band: int = 0  # its temperature band (acceptance is learnt per band)
 
 
 def cumulative(acceptance: Sequence[float], cap: int) -> list[float]:

@@ -5,11 +5,15 @@ step. Per step it (1) scores every drafter's previous draft against the tokens t
 produced, updates the vote weights and tells the controller what the step taught (acceptance,
 the step's and the drafters' times), (2) describes the running requests to the controller and
 takes its plan, (3) drafts by it (model-free voters, streamed drafts, in-worker forwards that
-stop by the controller's rule), and (4) returns the weighted prefix-tree vote per request. The
-algorithms live in `vote_sampler` and `length_controller`.
+stop by the controller's rule), and (4) returns the weighted prefix-tree vote per request, or, for
+a request that samples (temperature > 0), the chain of the mixture rule. The algorithms live in
+`vote_sampler` and `length_controller`.
 
-Verification is vLLM's own rejection sampler with the draft treated as one-hot: greedy output is
-the target's own, sampled output has the target's distribution.
+Verification is vLLM's own rejection sampler. Greedy requests' chains are verified as one-hot
+drafts: greedy output is the target's own. When a request samples, its in-worker drafters sample
+too (`draft_sampling`), and the proposer hands the runner each chain position's mixture q
+(`take_last_draft_probs`, read by patches.model_runner_propose): sampled output has the target's
+distribution.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from typing import Any, TextIO
 import numpy as np
 
 from vllm_smurfs import cores
+from vllm_smurfs.acceptance import temperature_band
 from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
+from vllm_smurfs.draft_sampling import RowSampling, member_uniforms, mixture_rows
 from vllm_smurfs.fixed_lookahead import FixedLookahead
 from vllm_smurfs.length_controller import LengthController
 from vllm_smurfs.lookahead_types import DraftTiming, StepTiming
@@ -39,6 +45,7 @@ from vllm_smurfs.vote_sampler import (
     DrafterWeights,
     WeightUpdateRule,
     matched_prefix_len,
+    pick_mixture_chain,
     score_draft,
     weighted_prefix_vote,
 )
@@ -81,6 +88,9 @@ class _RequestState:
     with_free: bool = False  # a model-free chain was in hand when it was planned
     # Each in-worker drafter's probability of each of its draft tokens (empty for the others).
     confidences: list[list[float]] | None = None
+    # The mixture's member shares per chain position (a request that samples), else None.
+    shares: list[dict[int, float]] | None = None
+    band: int = 0  # its temperature band (the controller learns acceptance per band)
 
 
 Controller = LengthController | FixedLookahead
@@ -174,6 +184,8 @@ class SmurfsProposer:
         self._last_req_ids: frozenset[str] = frozenset()
         self._plan_record: dict[str, Any] | None = None  # the last plan, for the trace
         self._warmed = False  # the in-worker drafters' forwards ran their shapes once
+        # [num_reqs, max chain, vocab] q of the last step's chains, when a request samples.
+        self._draft_probs: Any = None
 
     # -- vLLM's proposer interface ------------------------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
@@ -282,6 +294,9 @@ class SmurfsProposer:
         max_lookahead = min(step.max_spec_tokens or self.num_speculative_tokens,
                             self.num_speculative_tokens)
         prompts = step.num_prompt_tokens
+        input_batch = getattr(step.runner, "input_batch", None)  # None in unit tests
+        sampling = (RowSampling.from_input_batch(input_batch, rows)
+                    if rows and input_batch is not None else None)
         requests = [DraftRequest(step.req_ids[i], token_ids_cpu[i, : int(num_tokens_no_spec[i])]
                                  .copy(), max_lookahead,
                                  None if prompts is None else int(prompts[i])) for i in rows]
@@ -289,7 +304,7 @@ class SmurfsProposer:
         forwards_s = waited_s = 0.0
         if requests:
             forwards_s, waited_s = self._draft_and_vote(step, rows, requests, max_lookahead,
-                                                        proposals)
+                                                        proposals, sampling)
         self.stats.steps += 1
         self._maybe_log()
         self._returned_at = time.perf_counter()
@@ -300,9 +315,10 @@ class SmurfsProposer:
 
     # -- one step ---------------------------------------------------------------------------------
     def _draft_and_vote(self, step: StepContext, rows: list[int], requests: list[DraftRequest],
-                        max_lookahead: int, proposals: list[list[int]]) -> tuple[float, float]:
-        """Plan the step, draft by the plan, vote; returns (drafter forward seconds, seconds
-        waited for streamed drafts)."""
+                        max_lookahead: int, proposals: list[list[int]],
+                        sampling: RowSampling | None = None) -> tuple[float, float]:
+        """Plan the step, draft by the plan, vote (a request that samples: the mixture rule);
+        returns (drafter forward seconds, seconds waited for streamed drafts)."""
         worker = self.worker
         n = len(requests)
         free_idx = worker.model_free_indices
@@ -328,12 +344,14 @@ class SmurfsProposer:
             free_lens.append(len(chain))
             streamed_lens.append(max((len(per[d]) for d in external_idx), default=0))
         drafters = [worker.drafters[d] for d in in_worker]
+        bands = ([temperature_band(float(t)) for t in sampling.temperature]
+                 if sampling is not None else [0] * n)
         plan = self.controller.plan([
             PlanRequest(r.req_id, len(r.context), self.max_model_len, free_lens[i],
                         streamed_lens[i],
                         tuple(d.catch_up_tokens(r.req_id, len(r.context))
                               if d.can_draft(len(r.context)) else None for d in drafters),
-                        remaining=_remaining_tokens(step.runner, r.req_id))
+                        remaining=_remaining_tokens(step.runner, r.req_id), band=bands[i])
             for i, r in enumerate(requests)], max_lookahead)
         model_rows = plan.model_row_set
         # The process drafters work for this step: pipelined, on every request while streaming
@@ -354,6 +372,8 @@ class SmurfsProposer:
                                               sorted(external_rows))
         forwards_s = 0.0
         confidences: list[list[list[float]]] = [[[] for _ in drafters] for _ in range(n)]
+        # [request][drafter] q rows of an in-worker drafter's sampled draft (None: point mass).
+        dists: list[list[Any]] = [[None] * len(worker.names) for _ in range(n)]
         for j, drafter in enumerate(drafters):
             selected = plan.model_rows[j]
             if not selected or not drafter.health.alive:
@@ -368,7 +388,8 @@ class SmurfsProposer:
             result = drafter.draft_safely(
                 [requests[i].req_id for i in selected], np.asarray([rows[i] for i in selected]),
                 [requests[i].context for i in selected],
-                [plan.lookaheads[i] for i in selected], step.runner, stop)
+                [plan.lookaheads[i] for i in selected], step.runner, stop,
+                None if sampling is None else sampling.take(selected))
             for p in result.passes:
                 forwards_s += p.seconds
                 self.stats.drafter_forwards += 1
@@ -378,6 +399,8 @@ class SmurfsProposer:
             for local, i in enumerate(selected):
                 drafts[i][in_worker[j]] = result.tokens[local]
                 confidences[i][j] = result.confidences[local]
+                if result.probs:
+                    dists[i][in_worker[j]] = result.probs[local]
         self.stats.drafting_s += forwards_s
 
         voted_chains = []
@@ -392,9 +415,16 @@ class SmurfsProposer:
             k = plan.lookaheads[i]
             self.stats.requests_drafted += k > 0
             self.stats.requests_without_draft += k > 0 and not any(per)
-            chain = self._vote(request.req_id, rows[i], k, per, proposals) if k > 0 else []
-            voted_chains.append(chain)
             state = self._state(request.req_id)
+            state.shares, state.band = None, bands[i]
+            if k == 0:
+                chain = []
+            elif sampling is not None and sampling.sampled()[i]:
+                chain = self._mixture(request.req_id, rows[i], k, per, proposals,
+                                      sampling.generators.get(i))
+            else:
+                chain = self._vote(request.req_id, rows[i], k, per, proposals)
+            voted_chains.append(chain)
             state.free_chain = free_chains[i]
             state.models = i in model_rows or any(per[d] for d in external_idx)
             self.stats.request_steps += 1
@@ -407,6 +437,9 @@ class SmurfsProposer:
             state.confidences = [[] for _ in worker.names]
             for j, d in enumerate(in_worker):
                 state.confidences[d] = confidences[i][j]
+        if sampling is not None:
+            self._draft_probs = self._chain_probs(step, rows, requests, drafts, dists, sampling,
+                                                  proposals)
         if external_rows and pipelined:
             # Drafters go on past the chains while the target verifies them.
             worker.track(requests, voted_chains, [self._max_lead(max_lookahead)] * n)
@@ -455,6 +488,50 @@ class SmurfsProposer:
         proposals[row] = vote.tokens
         self._count_proposal(vote.tokens, vote.winner)
         return vote.tokens
+
+    def _mixture(self, req_id: str, row: int, k: int, per_drafter: list[list[int]],
+                 proposals: list[list[int]], generator: Any) -> list[int]:
+        """A sampling request's chain: the mixture rule (`vote_sampler.pick_mixture_chain`)."""
+        state = self._state(req_id)
+        longest = min(k, max((len(d) for d in per_drafter), default=0))
+        picked = pick_mixture_chain(per_drafter, state.weights.weights, k,
+                                    member_uniforms(longest, generator))
+        state.drafts, state.voted, state.shares = per_drafter, picked.tokens, picked.shares
+        proposals[row] = picked.tokens
+        if picked.tokens:
+            self.stats.proposed_drafts += 1
+            self.stats.sampled_drafts += 1
+        return picked.tokens
+
+    def _chain_probs(self, step: StepContext, rows: list[int], requests: list[DraftRequest],
+                     drafts: list[list[list[int]]], dists: list[list[Any]],
+                     sampling: RowSampling, proposals: list[list[int]]) -> Any:
+        """[num_reqs, longest chain, vocab] float32: what each chain position is verified
+        against. A sampling request's rows are its mixture q; the others' chains are one-hot
+        (greedy requests: the verifier reads no q for them; point masses anyway)."""
+        import torch
+
+        longest = max((len(proposals[row]) for row in rows), default=0)
+        if longest == 0:
+            return None
+        vocab = int(step.runner.model_config.get_vocab_size())  # the target's logits' width
+        out = torch.zeros((len(step.req_ids), longest, vocab), dtype=torch.float32,
+                          device=step.runner.device)
+        for i, request in enumerate(requests):
+            chain, row = proposals[rows[i]], rows[i]
+            shares = self._state(request.req_id).shares
+            if sampling.sampled()[i] and shares is not None:
+                mixture_rows(shares, drafts[i], dists[i], out[row])
+            elif chain:
+                out[row, torch.arange(len(chain)), torch.tensor(chain)] = 1.0
+        return out
+
+    def take_last_draft_probs(self) -> Any:
+        """The last step's q per chain position (see `_chain_probs`), once; None when no request
+        sampled. vLLM's runner reads this of its own proposers; for ``custom_class`` the
+        patches.model_runner_propose patch does."""
+        probs, self._draft_probs = self._draft_probs, None
+        return probs
 
     @staticmethod
     def _max_lead(k: int) -> int:
@@ -516,7 +593,8 @@ class SmurfsProposer:
                         if draft else None)
             outcomes.append(RequestOutcome(
                 req_id, free=free, voted=(len(verified), accepted) if verified else None,
-                models=state.models, with_free=state.with_free, drafters=tuple(own)))
+                models=state.models, with_free=state.with_free, drafters=tuple(own),
+                band=state.band))
             state.voted = state.drafts = state.confidences = state.free_chain = None
             state.models = False
         for drafter_stats, weight in zip(self.stats.drafters, self.global_weights.weights,
@@ -543,7 +621,8 @@ class SmurfsProposer:
                 free=(o.free.tokens, o.free.matched) if o is not None and o.free else None,
                 models=bool(o is not None and o.models),
                 drafts=tuple((d.tokens, d.matched) if d is not None else None
-                             for d in o.drafters) if o is not None else ()))
+                             for d in o.drafters) if o is not None else (),
+                band=o.band if o is not None else 0))
         line = TraceStep(self.stats.steps, time.monotonic(), step_s, step.num_scheduled_tokens,
                          tuple(requests), tuple(draft_timings),
                          drafting=self.model_drafting.on,

@@ -87,6 +87,7 @@ class TraceRequest:
     models: bool = False  # model drafts (in-worker or streamed) were in its vote
     # Per in-worker drafter, its own draft: (tokens, matched) or None where it did not draft.
     drafts: tuple[tuple[int, int] | None, ...] = ()
+    band: int = 0  # its temperature band (`acceptance.temperature_band`; 0: greedy)
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -103,6 +104,8 @@ class TraceRequest:
             out["models"] = True
         if any(d is not None for d in self.drafts):
             out["drafts"] = [list(d) if d is not None else None for d in self.drafts]
+        if self.band:
+            out["band"] = self.band
         return out
 
     @classmethod
@@ -115,7 +118,8 @@ class TraceRequest:
             return cls(*fields, free=None if free is None else _pair(free, f"{where}: free"),
                        models=bool(obj.get("models", False)),
                        drafts=tuple(None if d is None else _pair(d, f"{where}: drafts")
-                                    for d in drafts))
+                                    for d in drafts),
+                       band=int(obj.get("band", 0)))
         except ValueError as e:
             raise TraceFormatError(f"{where}: {e}") from None
 

@@ -27,11 +27,14 @@ import numpy as np
 
 __all__ = [
     "DrafterWeights",
+    "MixtureChain",
     "MixtureStep",
     "VoteResult",
     "WeightUpdateRule",
     "matched_prefix_len",
+    "mixture_shares",
     "mixture_step",
+    "pick_mixture_chain",
     "sample_mixture_chain",
     "score_draft",
     "weighted_prefix_vote",
@@ -326,6 +329,55 @@ class DrafterWeights:
 # as the best member when the weights favour it.
 
 
+def mixture_shares(drafts: Sequence[Sequence[int]], weights: Sequence[float],
+                   chain: Sequence[int]) -> dict[int, float]:
+    """The members S_j at position ``j = len(chain)`` (the drafters whose draft continues
+    ``chain``) and each one's share w_i / W of the mixture, in drafter order; empty when no
+    drafter continues the chain. Validates nothing (callers do)."""
+    j = len(chain)
+    members = [i for i, d in enumerate(drafts)
+               if len(d) > j and all(d[t] == chain[t] for t in range(j))]
+    total = sum(weights[i] for i in members)
+    return {i: weights[i] / total for i in members}
+
+
+@dataclass(frozen=True)
+class MixtureChain:
+    """A sampled chain under the mixture rule: ``tokens[j]`` was drawn from the mixture whose
+    members and shares are ``shares[j]`` (drafter -> w_i / W); what it is verified against is
+    ``q_j = sum_i shares[j][i] * q_i(. | tokens[:j])``."""
+
+    tokens: list[int]
+    shares: list[dict[int, float]]
+
+
+def pick_mixture_chain(drafts: Sequence[Sequence[int]], weights: Sequence[float], max_len: int,
+                       uniforms: Sequence[float]) -> MixtureChain:
+    """Steps 1-2 of the rule: at each position j (up to ``max_len``), pick a member by its share
+    with ``uniforms[j]`` in [0, 1) (fresh randomness, one per position) and take its token.
+
+    Raises:
+        ValueError: on bad weights, or fewer uniforms than the chain needs.
+    """
+    _validate_weights(weights, len(drafts))
+    tokens: list[int] = []
+    shares: list[dict[int, float]] = []
+    while len(tokens) < max_len:
+        members = mixture_shares(drafts, weights, tokens)
+        if not members:
+            break
+        if len(tokens) >= len(uniforms):
+            raise ValueError(f"{len(uniforms)} uniforms for a chain of more tokens")
+        u, cumulative, picked = uniforms[len(tokens)], 0.0, -1
+        for picked, share in members.items():
+            cumulative += share
+            if u < cumulative:
+                break
+        tokens.append(int(drafts[picked][len(tokens)]))
+        shares.append(members)
+    return MixtureChain(tokens, shares)
+
+
 @dataclass(frozen=True)
 class MixtureStep:
     """Position j of a sampled chain under the mixture rule (see above)."""
@@ -353,15 +405,12 @@ def mixture_step(drafts: Sequence[Sequence[int]],
     if len(dists) != n:
         raise ValueError(f"dists has {len(dists)} entries but there are {n} drafts")
     j = len(chain)
-    members = tuple(i for i, d in enumerate(drafts)
-                    if len(d) > j and all(d[t] == chain[t] for t in range(j)))
-    if not members:
+    shares = mixture_shares(drafts, weights, chain)
+    if not shares:
         return None
-    total = sum(weights[i] for i in members)
     q = np.zeros(vocab_size)
     proposal: dict[int, float] = {}
-    for i in members:
-        share = weights[i] / total
+    for i, share in shares.items():
         token = drafts[i][j]
         proposal[token] = proposal.get(token, 0.0) + share
         dist = dists[i]
@@ -372,7 +421,7 @@ def mixture_step(drafts: Sequence[Sequence[int]],
         if row.shape != (vocab_size,):
             raise ValueError(f"dists[{i}][{j}] has shape {row.shape}, expected ({vocab_size},)")
         q += share * row
-    return MixtureStep(members, proposal, q)
+    return MixtureStep(tuple(shares), proposal, q)
 
 
 def sample_mixture_chain(drafts: Sequence[Sequence[int]],
@@ -380,20 +429,12 @@ def sample_mixture_chain(drafts: Sequence[Sequence[int]],
                          weights: Sequence[float], max_len: int, vocab_size: int,
                          uniforms: Sequence[float]) -> tuple[list[int], list[np.ndarray]]:
     """The chain (up to ``max_len`` tokens) and each position's mixture q, picking the member at
-    position j by ``uniforms[j]`` in [0, 1) (fresh randomness; one per position)."""
-    chain: list[int] = []
-    qs: list[np.ndarray] = []
-    while len(chain) < max_len:
-        step = mixture_step(drafts, dists, weights, chain, vocab_size)
-        if step is None:
-            break
-        u = uniforms[len(chain)]
-        token, cumulative = None, 0.0
-        for token, prob in step.proposal.items():
-            cumulative += prob
-            if u < cumulative:
-                break
-        assert token is not None
-        chain.append(token)
+    position j by ``uniforms[j]`` in [0, 1) (`pick_mixture_chain`; the engine builds the same
+    q on its device)."""
+    picked = pick_mixture_chain(drafts, weights, max_len, uniforms)
+    qs = []
+    for chain_len in range(len(picked.tokens)):
+        step = mixture_step(drafts, dists, weights, picked.tokens[:chain_len], vocab_size)
+        assert step is not None
         qs.append(step.q)
-    return chain, qs
+    return picked.tokens, qs

@@ -107,7 +107,7 @@ def test_a_strong_model_free_chain_keeps_the_models_out_and_a_weak_one_does_not(
 def test_the_models_sit_out_when_a_forward_costs_more_than_their_tokens_bring():
     c = measured(0)
     c.pass_costs, c.num_worker_drafters = [StepCostModel()], 1
-    c.calibrations = c.calibrations or [ConfidenceCalibration()]
+    c.band(0).calibrations = c.calibrations or [ConfidenceCalibration()]
     for n in range(1, 65):
         for _ in range(3):
             c.observe_pass(0, n, 1.0)  # a drafter forward dearer than several target steps

@@ -9,7 +9,8 @@ def snapshot(steps, drafts, accepted, d0, d1):
                 "accepted_tokens": acc, "acceptance": acc / drafted if drafted else 0.0,
                 "weight": weight, "alive": True, "steps_late": 0, "engine_steps": 2 * steps,
                 "busy_s": 0.05 * steps}
-    return {"steps": steps, "proposed_drafts": drafts, "verified_drafts": drafts,
+    return {"steps": steps, "proposed_drafts": drafts, "sampled_drafts": drafts // 2,
+            "verified_drafts": drafts,
             "verified_draft_tokens": 4 * drafts, "accepted_tokens": accepted,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "requests_drafted": drafts + 1, "requests_without_draft": 1,

@@ -8,12 +8,14 @@ How: before vLLM's own body runs, hand the proposer a `StepContext` built from
 verified, tokens computed), the rows' prompt lengths (the suffix voter's prompt trees) and the
 runner itself (in-worker drafters address their KV cache through its block tables), and mark the
 step's propose call as come (`model_runner_execute` tells the proposer of the steps vLLM skips it
-in). After it, cut each draft before its first id the target has no row for: drafters share the
+in). After it, hand the runner the proposer's draft probabilities (``_draft_probs``, which the
+rejection sampler reads at the next step; vLLM takes them only from its own proposers, through
+``take_last_draft_probs``), and cut each draft before its first id the target has no row for: drafters share the
 target's tokenizer, but a drafter's embedding may be padded past the target's (the target's
 rejection sampler indexes its logits with the draft).
 The CPU runner inherits this method.
 When it can go: when vLLM passes request ids, lifecycle events and prompt lengths to custom
-proposers.
+proposers, and reads ``take_last_draft_probs`` of them.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ def _propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         )
     )
     drafts = original(TARGET, NAME)(self, scheduler_output, *args, **kwargs)
+    # vLLM's body reset the draft probabilities and reads them only of its own proposers: a
+    # request that samples is verified against the q its chain was drawn from.
+    probs = self.drafter.take_last_draft_probs()
+    if probs is not None:
+        self._draft_probs = probs
+        self._draft_prob_req_ids = list(req_ids)
     return within_vocabulary(drafts, self.model_config.get_vocab_size())
 
 
