@@ -28,6 +28,8 @@ class Job:
     speculative_config: dict[str, Any] | None = None
     max_tokens: list[int] | int = 32
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: none
     seeds: list[int] | None = None  # one sampling seed per prompt (for temperature > 0)
     # The engine's seed (its random streams at temperature > 0): runs compared statistically
     # need seeds of their own, or they share their randomness.
@@ -136,7 +138,8 @@ def _execute(job: Job) -> Result:
     n = len(job.prompts)
     max_tokens = job.max_tokens if isinstance(job.max_tokens, list) else [job.max_tokens] * n
     seeds = job.seeds or [None] * n
-    params = [SamplingParams(max_tokens=m, temperature=job.temperature, seed=s)
+    params = [SamplingParams(max_tokens=m, temperature=job.temperature, top_p=job.top_p,
+                             top_k=job.top_k, seed=s)
               for m, s in zip(max_tokens, seeds)]
     tokenizer = llm.get_tokenizer()
     prompts: list[Any] = []

@@ -27,6 +27,7 @@ def test_register_is_idempotent_and_patches_targets():
     assert _patching.is_patched(GPUModelRunner, "execute_model")
     assert _patching.is_patched(GPUModelRunner, "initialize_metadata_builders")
     assert _patching.is_patched(rejection_sampler, "expand_batch_to_tokens")  # CPU machine
+    assert _patching.is_patched(rejection_sampler, "apply_sampling_constraints")
 
 
 def test_lookahead_slots_are_reserved_for_in_worker_drafters_only():
@@ -108,6 +109,32 @@ def test_vllm_cpu_expand_is_still_broken_and_ours_is_right():
     assert torch.equal(ours, expected)
     top_k = torch.tensor([5, 0, 7], dtype=torch.int32)
     assert expand_batch_to_tokens(top_k, torch.tensor([1, 3, 4]), 4).tolist() == [5, 0, 0, 7]
+
+
+def test_vllm_sampling_constraints_still_fail_on_zero_drafts_with_top_k_and_ours_do_not():
+    """If the first assertion fails, vLLM handles a step without drafts under top-k: the patch
+    can go."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample import rejection_sampler
+
+    from vllm_smurfs import plugin
+    from vllm_smurfs.patches import _patching
+    from vllm_smurfs.patches.rejection_sampler_constraints import apply_sampling_constraints
+
+    plugin.register()
+    metadata = SimpleNamespace(all_greedy=False, temperature=torch.tensor([1.0]),
+                               top_k=torch.tensor([20], dtype=torch.int32), top_p=None)
+    empty, cu = torch.zeros((0, 600)), torch.tensor([0], dtype=torch.int32)
+    vllm_version = _patching.original(rejection_sampler, "apply_sampling_constraints")
+    with pytest.raises(RuntimeError, match="numel"):
+        vllm_version(empty.clone(), cu, metadata)
+    assert apply_sampling_constraints(empty, cu, metadata).shape == (0, 600)
+    # With draft positions, vLLM's own: the top 20 of each row are kept.
+    logits = torch.randn(2, 600)
+    out = apply_sampling_constraints(logits.clone(), torch.tensor([2], dtype=torch.int32),
+                                     metadata)
+    assert (out > -float("inf")).sum(dim=1).tolist() == [20, 20]
 
 
 def test_our_log_records_go_where_vllms_do():

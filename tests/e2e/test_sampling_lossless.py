@@ -1,4 +1,10 @@
-"""Sampling at temperature 1 keeps the target's distribution (a statistical test with power).
+"""Sampling keeps the target's distribution (a statistical test with power): at temperature 1,
+and, for Smurfs' sampled drafts, at temperature 0.7, top-p 0.9 and top-k 20.
+
+Smurfs' in-worker drafters sample their drafts at each request's settings, and a sampled chain is
+the mixture rule's (`vote_sampler`), verified against its mixture q: these runs test that rule in
+the engine, with several sampling drafters (three, and five), with the n-gram voter as a point
+mass (the default configuration) and with greedy process and Ray drafters (point masses too).
 
 Each run samples NUM_SAMPLES continuations of MAX_TOKENS tokens of one prompt, in one batch, with
 an engine seed of its own (per-request seeds are not used: vLLM's CPU rejection sampler refuses
@@ -23,6 +29,10 @@ test); the other positions add their own chances. The controls must be rejected:
   p(d) (1 - p(d)) of mass onto the drafted token d: ~0.2 at token 1 here. It is run with the
   in-worker drafters (every sample drafted at token 1) and with a pipelined process drafter
   (the configuration with the fewest drafts per sample).
+- the greedy vote over sampled drafts, verified against the winner's q (`vote_after_sampling.py`,
+  test-only, loaded like the lossy verifier): the rule `vote_sampler` names as not lossless. Run
+  with five sampling drafters: agreeing drafters pull the chain towards likelier tokens (with
+  three, the pull is near the test's power: p ~5e-5 at one trial; with five, p < 1e-14 in two).
 Every lossless configuration must also have drafted nearly every sample (verification steps with
 a draft, per sample, of at least MIN_DRAFTS_PER_SAMPLE) and rejected some drafted tokens (so the
 recovered-token path of the verifier ran). vLLM's own draft_model is held to the same test (on
@@ -57,6 +67,11 @@ ENDED = -1  # the token of a sample that ended (EOS) before a position
 # did not predict drops its draft (it restarts from the sampled token): measured 0.99-1.3 here.
 MIN_DRAFTS_PER_SAMPLE = 0.9
 LOSSY_VERIFIER = str(Path(__file__).with_name("lossy_verifier.py"))
+VOTE_AFTER_SAMPLING = str(Path(__file__).with_name("vote_after_sampling.py"))
+# Sampling settings besides temperature 1 (SamplingParams fields).
+SETTINGS = {"temperature 0.7": {"temperature": 0.7},
+            "top-p 0.9": {"temperature": 1.0, "top_p": 0.9},
+            "top-k 20": {"temperature": 1.0, "top_k": 20}}
 
 
 def homogeneity_p_value(a: list[int], b: list[int]) -> float:
@@ -97,10 +112,12 @@ def min_p_value(reference: list[list[int]], other: list[list[int]]) -> tuple[flo
     return min(p_values), p_values
 
 
-def sample(target: str, spec: dict | None, seed: int, preload: list[str] | None = None) -> Result:
+def sample(target: str, spec: dict | None, seed: int, preload: list[str] | None = None,
+           settings: dict | None = None) -> Result:
+    settings = settings or {"temperature": 1.0}
     result = run_job(Job(target=target, prompts=[PROMPT] * NUM_SAMPLES, speculative_config=spec,
-                         max_tokens=MAX_TOKENS, temperature=1.0, seed=seed,
-                         preload=preload or [], env={"RAY_ADDRESS": ""}))
+                         max_tokens=MAX_TOKENS, seed=seed, preload=preload or [],
+                         env={"RAY_ADDRESS": ""}, **settings))
     assert all(1 <= len(t) <= MAX_TOKENS for t in result.token_ids)
     print(f"\nseed {seed}: {result.num_drafts} drafts of {result.num_draft_tokens} tokens, "
           f"{result.num_accepted_tokens} accepted, {result.elapsed_s:.1f} s")
@@ -121,6 +138,10 @@ def configs(family) -> dict[str, tuple[str, dict | None, int]]:
         # Fixed lookahead, drafted in the step: every verification step checks a full draft.
         "smurfs in-worker": (family.target, {**FIXED, "drafters": [{"model": d} for d in drafts]},
                              2),
+        # Five sampling members (two models twice): where a vote over sampled drafts would pull
+        # hardest (see the controls), the mixture rule must not.
+        "smurfs in-worker, five drafters": (family.target, {**FIXED, "drafters": [
+            {"model": d} for d in (*drafts, *drafts[:2])]}, 11),
         "smurfs process, synchronous": (family.target, {
             **FIXED, "pipeline": False,
             "drafters": [{"model": d, "placement": "process"} for d in drafts]}, 3),
@@ -152,7 +173,8 @@ def runs(family):
     return get
 
 
-LOSSLESS = ["smurfs in-worker", "smurfs process, synchronous", "smurfs default",
+LOSSLESS = ["smurfs in-worker", "smurfs in-worker, five drafters",
+            "smurfs process, synchronous", "smurfs default",
             "smurfs process, pipelined", "smurfs ray, pipelined", "vllm draft_model"]
 
 
@@ -170,12 +192,43 @@ def test_sampling_keeps_target_distribution(runs, name):
     assert p_value >= THRESHOLD, f"{name} changed the distribution: {per_position}"
 
 
+@pytest.fixture(scope="module")
+def runs_at(family):
+    """Cached sampling runs at the other SETTINGS: (config name, setting) -> Result."""
+    table = configs(family)
+
+    @functools.cache
+    def get(name: str, setting: str) -> Result:
+        target, spec, seed = table[name]
+        return sample(target, spec, 100 * (2 + list(SETTINGS).index(setting)) + seed,
+                      settings=SETTINGS[setting])
+
+    return get
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", ["smurfs in-worker", "smurfs default"])
+def test_sampled_drafts_keep_the_distribution_at_each_setting(runs_at, name, setting):
+    reference, result = runs_at("reference", setting), runs_at(name, setting)
+    assert result.num_drafts >= MIN_DRAFTS_PER_SAMPLE * NUM_SAMPLES, result.num_drafts
+    assert result.num_draft_tokens > result.num_accepted_tokens > 0
+    p_value, per_position = min_p_value(reference.token_ids, result.token_ids)
+    print(f"{name}, {setting}: p-values per position {POSITIONS}: "
+          f"{[f'{p:.3g}' for p in per_position]} (reject below {THRESHOLD:.2g})")
+    assert p_value >= THRESHOLD, f"{name} at {setting} changed the distribution: {per_position}"
+
+
 @pytest.mark.parametrize("control", ["draft model as target", "lossy verifier, in-worker",
-                                     "lossy verifier, process pipelined"])
+                                     "lossy verifier, process pipelined",
+                                     "vote after sampling, five drafters"])
 def test_the_test_rejects_a_lossy_sampler(family, runs, control):
     reference = runs("reference")
     if control == "draft model as target":
         result = sample(family.drafts[0], None, seed=8)
+    elif control == "vote after sampling, five drafters":
+        target, spec, _ = configs(family)["smurfs in-worker, five drafters"]
+        result = sample(target, spec, seed=12, preload=[VOTE_AFTER_SAMPLING])
+        assert result.num_draft_tokens > result.num_accepted_tokens > 0
     else:
         # The lossless runs' own configurations, with the verifier broken on purpose.
         name = ("smurfs in-worker" if "in-worker" in control else "smurfs process, pipelined")
