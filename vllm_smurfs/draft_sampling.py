@@ -18,11 +18,11 @@ lossless) is `vote_sampler`'s: pure, derived and tested there. This module is it
   drafter that drafts deterministically (the model-free voters; process and Ray drafters, which
   draft greedily: a point mass that depends on the text only, so still a valid q_i).
 
-Seeds. A seeded request's draft samples and member picks come from its own generator, so a fixed
-configuration and batch shape repeat. The adaptive controller's plans depend on measured times,
-so with it the lookahead, and with it the random streams, can differ from run to run; vLLM's CPU
-rejection sampler refuses per-request generators altogether ("CPU Generator does not use
-offset"), so on CPU seeded requests cannot be speculated at all, by any method.
+Seeds. A seeded request's draft samples and member picks come from its own generator, so with
+the fixed lookahead policy and the same batch the same seeds give the same output (tested). The
+adaptive controller's plans depend on measured times: with it the lookahead, and with it how
+much of each request's random stream a step uses, can differ between runs, and so can a seeded
+request's output (its distribution cannot).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ the engine, with several sampling drafters (three, and five), with the n-gram vo
 mass (the default configuration) and with greedy process and Ray drafters (point masses too).
 
 Each run samples NUM_SAMPLES continuations of MAX_TOKENS tokens of one prompt, in one batch, with
-an engine seed of its own (per-request seeds are not used: vLLM's CPU rejection sampler refuses
-per-request generators, "CPU Generator does not use offset"). Token 0 comes from the prefill,
+an engine seed of its own (no per-request seeds: 2000 samples of one prompt must differ; seeded
+requests are tested apart, at the end of this file). Token 0 comes from the prefill,
 before any draft; every later position can come out of a verification step, where a lossy
 verifier would change its distribution. Per position, a chi-square test of homogeneity compares
 the tokens with those of a run without speculation (ending early counts as a token of its own);
@@ -245,3 +245,22 @@ def test_the_test_rejects_a_lossy_sampler(family, runs, control):
     print(f"{control}: p-values per position {POSITIONS}: {[f'{p:.3g}' for p in per_position]};"
           f" power of token 1's test against a shift of mass onto its top token: {power}")
     assert p_value < THRESHOLD, f"{control} not rejected: the test has no power"
+
+
+def test_a_seeded_request_repeats_with_a_fixed_lookahead(family):
+    # A seeded request's draft samples and member picks come from its own generator: with the
+    # fixed policy (the lookahead does not depend on measured times) and the same batch, the
+    # same seeds give the same output, whatever the engine's seed. Other seeds give other
+    # outputs (so the comparison can fail).
+    target, spec, _ = configs(family)["smurfs in-worker"]
+
+    def run(seeds: list[int], engine_seed: int) -> Result:
+        return run_job(Job(target=target, prompts=[PROMPT] * len(seeds), speculative_config=spec,
+                           max_tokens=12, temperature=1.0, seeds=seeds, seed=engine_seed,
+                           env={"RAY_ADDRESS": ""}))
+
+    first, again = run(list(range(8)), 1), run(list(range(8)), 2)
+    other = run(list(range(100, 108)), 1)
+    assert first.num_draft_tokens > first.num_accepted_tokens > 0
+    assert first.token_ids == again.token_ids
+    assert first.token_ids != other.token_ids
