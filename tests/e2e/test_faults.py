@@ -11,7 +11,7 @@ import pytest
 from smurfs_tools.jobs import Job, divergences, run_job
 from smurfs_tools.tiny_models import TINY_PROMPTS
 
-from conftest import MAX_TOKENS, smurfs_config
+from conftest import MAX_TOKENS, divergence_report, smurfs_config
 
 pytestmark = pytest.mark.e2e
 
@@ -66,18 +66,10 @@ def test_drafter_dying_mid_run_is_left_out_and_output_unchanged(family, long_ref
     result = run_with(family, spec, max_tokens=FAULT_MAX_TOKENS,
                       env={"SMURFS_DRAFTER_FAULT": f"draft-1={fault}:{FAULT_AFTER_STEPS}"})
     assert result.elapsed_s > 2 * HANG_TIMEOUT_S, "the run ended before a hang could be seen"
-    found = divergences(long_reference.token_ids, result.token_ids)
-    if found:
-        # Seen once in a full suite run (stop 32: both hang cases, requests 4 and 5 at tokens 35
-        # and 186, as the Ray fault test in CI at stop 30), never with this module alone: say
-        # which tokens, and whether a second run without speculation repeats the first.
-        again = run_with(family, None, max_tokens=FAULT_MAX_TOKENS)
-        tokens = {i: (long_reference.token_ids[i][pos:pos + 3], result.token_ids[i][pos:pos + 3])
-                  for i, pos in found.items()}
-        repeats = "repeats" if again.token_ids == long_reference.token_ids else "differs from"
-        pytest.fail(f"diverges from the run without speculation at {found} (reference vs this "
-                    f"run's tokens there: {tokens}); a second run without speculation "
-                    f"{repeats} the first")
+    report = divergence_report(long_reference.token_ids, result.token_ids,
+                               lambda: run_with(family, None, max_tokens=FAULT_MAX_TOKENS))
+    if report:
+        pytest.fail(report)
     stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}
     assert stats["draft-1"]["alive"] is False
     assert stats["draft-1"]["drafted_tokens"] > 0  # it did draft in the measured run first

@@ -22,7 +22,7 @@ import pytest
 from smurfs_tools.jobs import Job, Result, divergences, run_job
 from smurfs_tools.tiny_models import TINY_PROMPTS
 
-from conftest import LOOKAHEAD, MAX_TOKENS
+from conftest import LOOKAHEAD, MAX_TOKENS, divergence_report
 from ray_cluster_scenario import run_job as run_job_with_log
 from ray_cluster_scenario import run_phases
 
@@ -129,18 +129,10 @@ def test_a_ray_actor_killed_mid_run_costs_speculation_only(family, tmp_path):
     first, second = out["phases"]
     print(f"\nbetween the phases {out['between_s']} s; {json.dumps(second['after'])}")
     for number, phase in enumerate((first, second), 1):
-        found = divergences(reference.token_ids, phase["token_ids"])
-        if found:
-            # Seen once in CI (stop 30), never here: say which phase, which tokens, and whether
-            # a second run without speculation repeats the first (a flaky reference, or not).
-            again = run_job(Job(target=family.target, prompts=list(TINY_PROMPTS),
-                                max_tokens=FAULT_MAX_TOKENS))
-            tokens = {i: (reference.token_ids[i][pos:pos + 3], phase["token_ids"][i][pos:pos + 3])
-                      for i, pos in found.items()}
-            repeats = "repeats" if again.token_ids == reference.token_ids else "differs from"
-            pytest.fail(f"phase {number} diverges from the run without speculation at {found} "
-                        f"(reference vs phase tokens there: {tokens}); a second run without "
-                        f"speculation {repeats} the first:\n{log[-6000:]}")
+        report = divergence_report(reference.token_ids, phase["token_ids"], lambda: run_job(
+            Job(target=family.target, prompts=list(TINY_PROMPTS), max_tokens=FAULT_MAX_TOKENS)))
+        if report:
+            pytest.fail(f"phase {number} {report}:\n{log[-6000:]}")
 
     def ray_draft(stats):
         return {d["name"]: d for d in stats["drafters"]}["ray-draft"]
