@@ -88,7 +88,8 @@ def sample_draft_rows(logits: torch.Tensor, sampling: RowSampling
         np.where(sampling.sampled(), sampling.temperature, 1.0).astype(np.float32)).to(device)
     scaled = logits / temperature.unsqueeze(1)
     top_k = np.where((sampling.top_k > 0) & (sampling.top_k < vocab), sampling.top_k, vocab)
-    k = torch.from_numpy(top_k).to(device) if (top_k < vocab).any() else None
+    # vLLM's dtypes for these (its Triton top-k/top-p kernel asserts them on GPU)
+    k = torch.from_numpy(top_k.astype(np.int32)).to(device) if (top_k < vocab).any() else None
     p = (torch.from_numpy(sampling.top_p.astype(np.float32)).to(device)
          if (sampling.top_p < 1.0).any() else None)
     scaled = apply_top_k_top_p(scaled, k, p)
