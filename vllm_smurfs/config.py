@@ -265,6 +265,19 @@ class VoteConfig(_Strict):
     )
     min_weight: float = Field(default=0.05, gt=0, description="Lower bound of every weight.")
     max_weight: float = Field(default=20.0, gt=0, description="Upper bound of every weight.")
+    mixture_sharpness: float = Field(
+        default=4.0,
+        ge=0,
+        le=16,
+        description="Requests that sample (temperature > 0): a member of the mixture proposes "
+        "the next token with probability proportional to weight ** mixture_sharpness (1: to its "
+        "weight; 0: uniform). Lossless for any value (the shares are fixed before the tokens "
+        "are seen); higher leans on the members that were right lately.",
+    )
+
+    def update_rule_kwargs(self) -> dict[str, float]:
+        """The keys of `vote_sampler.WeightUpdateRule` (all but ``mixture_sharpness``)."""
+        return self.model_dump(exclude={"mixture_sharpness"})
 
 
 class LookaheadConfig(_Strict):

@@ -154,7 +154,8 @@ class SmurfsProposer:
         # through it the target's lent cores) is told by.
         self.model_drafting = ModelDrafting()
         self.controller: Controller = make_controller(self.config)
-        self.rule = WeightUpdateRule(**self.config.vote.model_dump())
+        self.rule = WeightUpdateRule(**self.config.vote.update_rule_kwargs())
+        self.mixture_sharpness = self.config.vote.mixture_sharpness
         self.global_weights = DrafterWeights([d.weight for d in self.config.drafters], self.rule)
         self.owns_drafters = owns_drafters()
         self.worker = DrafterPool(
@@ -494,8 +495,9 @@ class SmurfsProposer:
         """A sampling request's chain: the mixture rule (`vote_sampler.pick_mixture_chain`)."""
         state = self._state(req_id)
         longest = min(k, max((len(d) for d in per_drafter), default=0))
-        picked = pick_mixture_chain(per_drafter, state.weights.weights, k,
-                                    member_uniforms(longest, generator))
+        # Shares fixed before the tokens are seen: any function of the weights is lossless.
+        shares = [w ** self.mixture_sharpness for w in state.weights.weights]
+        picked = pick_mixture_chain(per_drafter, shares, k, member_uniforms(longest, generator))
         state.drafts, state.voted, state.shares = per_drafter, picked.tokens, picked.shares
         proposals[row] = picked.tokens
         if picked.tokens:
