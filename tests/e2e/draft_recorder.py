@@ -18,8 +18,8 @@ _LOG = os.environ["SMURFS_TEST_DRAFT_LOG"]
 _draft_safely = InWorkerDrafter.draft_safely
 
 
-def draft_safely_recorded(self, req_ids, rows, contexts, caps, runner, stop):
-    result = _draft_safely(self, req_ids, rows, contexts, caps, runner, stop)
+def draft_safely_recorded(self, req_ids, rows, contexts, caps, runner, stop, *args, **kwargs):
+    result = _draft_safely(self, req_ids, rows, contexts, caps, runner, stop, *args, **kwargs)
     line = {"drafter": self.name,
             "requests": [[r, len(c), len(t)] for r, c, t in zip(req_ids, contexts, result.tokens)]}
     with open(_LOG, "a") as f:

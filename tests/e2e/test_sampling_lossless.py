@@ -182,14 +182,17 @@ LOSSLESS = ["smurfs in-worker", "smurfs in-worker, five drafters",
 def test_sampling_keeps_target_distribution(runs, name):
     if "ray" in name:
         pytest.importorskip("ray", reason="the 'ray' extra is not installed")
-    reference, result = runs("reference"), runs(name)
+    assert_keeps_distribution(name, runs("reference"), runs(name))
+
+
+def assert_keeps_distribution(label: str, reference: Result, result: Result) -> None:
     # Nearly every sample went through a draft, and the verifier rejected some drafted tokens.
     assert result.num_drafts >= MIN_DRAFTS_PER_SAMPLE * NUM_SAMPLES, result.num_drafts
     assert result.num_draft_tokens > result.num_accepted_tokens > 0
     p_value, per_position = min_p_value(reference.token_ids, result.token_ids)
-    print(f"{name}: p-values per position {POSITIONS}: "
+    print(f"{label}: p-values per position {POSITIONS}: "
           f"{[f'{p:.3g}' for p in per_position]} (reject below {THRESHOLD:.2g})")
-    assert p_value >= THRESHOLD, f"{name} changed the distribution: {per_position}"
+    assert p_value >= THRESHOLD, f"{label} changed the distribution: {per_position}"
 
 
 @pytest.fixture(scope="module")
@@ -209,13 +212,8 @@ def runs_at(family):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", ["smurfs in-worker", "smurfs default"])
 def test_sampled_drafts_keep_the_distribution_at_each_setting(runs_at, name, setting):
-    reference, result = runs_at("reference", setting), runs_at(name, setting)
-    assert result.num_drafts >= MIN_DRAFTS_PER_SAMPLE * NUM_SAMPLES, result.num_drafts
-    assert result.num_draft_tokens > result.num_accepted_tokens > 0
-    p_value, per_position = min_p_value(reference.token_ids, result.token_ids)
-    print(f"{name}, {setting}: p-values per position {POSITIONS}: "
-          f"{[f'{p:.3g}' for p in per_position]} (reject below {THRESHOLD:.2g})")
-    assert p_value >= THRESHOLD, f"{name} at {setting} changed the distribution: {per_position}"
+    assert_keeps_distribution(f"{name} at {setting}", runs_at("reference", setting),
+                              runs_at(name, setting))
 
 
 @pytest.mark.parametrize("control", ["draft model as target", "lossy verifier, in-worker",
