@@ -266,7 +266,7 @@ class VoteConfig(_Strict):
     min_weight: float = Field(default=0.05, gt=0, description="Lower bound of every weight.")
     max_weight: float = Field(default=20.0, gt=0, description="Upper bound of every weight.")
     mixture_sharpness: float = Field(
-        default=4.0,
+        default=1.0,
         ge=0,
         le=16,
         description="Requests that sample (temperature > 0): a member of the mixture proposes "

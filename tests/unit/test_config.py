@@ -31,7 +31,7 @@ def test_defaults_and_drafter_kinds():
     assert config.drafters[1].display_name == "ngram[2,4]"
     # The config's vote defaults are the vote module's documented defaults.
     assert WeightUpdateRule(**config.vote.update_rule_kwargs()) == WeightUpdateRule()
-    assert config.vote.mixture_sharpness == 4.0
+    assert config.vote.mixture_sharpness == 1.0
 
 
 def test_round_trip_through_additional_config():
