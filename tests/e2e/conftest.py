@@ -60,21 +60,57 @@ def default_config(family: TinyFamily, **extra) -> dict:
             + [{"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}], **extra}
 
 
+# A divergence where the target's two best logits are this close is a near-tie, not a lossy
+# token: the tiny target's 200-token runs have two (request 4 at token 35: gap 0.013; request 5
+# at token 186: 0.023, in transformers' float32), and a speculative step computes the target
+# with other kernels and shapes (multi-token queries, other batch compositions) than a decode
+# step; the fault tests saw exactly these two flip in about half of the full suite runs. The
+# other positions checked there have gaps of 0.05 and more (request 1, token 100) to 1.1.
+NEAR_TIE_GAP = 0.03
+
+
+def top_two_gap(target: str, prompt: str, prefix: list[int]) -> tuple[float, list[int]]:
+    """The gap between the target's two best logits after ``prompt`` and ``prefix`` (output
+    tokens), in float32 with transformers, and those two tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    ids = torch.tensor([tokenizer(prompt)["input_ids"] + list(prefix)])
+    with torch.no_grad():
+        top = torch.topk(model(ids).logits[0, -1], 2)
+    return float(top.values[0] - top.values[1]), top.indices.tolist()
+
+
 def divergence_report(reference: list[list[int]], other: list[list[int]],
-                      rerun_reference: Callable[[], Result]) -> str | None:
-    """None when ``other`` equals ``reference`` token for token; else where it diverges, the
-    tokens there, and whether a second run without speculation (``rerun_reference``) repeats the
-    first: a divergence the fault tests have seen a few times in full suite runs (requests 4
-    and 5 at tokens 35 and 186, in test_faults' hang cases and test_ray's fault test), never
-    with their modules alone; the report tells a flaky reference from a lossy run."""
+                      rerun_reference: Callable[[], Result], target: str,
+                      prompts: list[str]) -> str | None:
+    """None when ``other`` equals ``reference`` token for token, or differs only at near-ties
+    (the first divergence of each request is between the target's two best tokens, whose logits
+    are within NEAR_TIE_GAP; printed); else where it diverges, the tokens there, the gaps, and
+    whether a second run without speculation (``rerun_reference``) repeats the first."""
     found = divergences(reference, other)
     if not found:
+        return None
+    gaps = {}
+    for i, pos in found.items():
+        if pos >= min(len(reference[i]), len(other[i])):
+            gaps[i] = (None, [])  # one ended early: a length difference, never a tie
+            continue
+        gaps[i] = top_two_gap(target, prompts[i], reference[i][:pos])
+    ties = all(gap is not None and gap < NEAR_TIE_GAP
+               and sorted(top) == sorted([reference[i][found[i]], other[i][found[i]]])
+               for i, (gap, top) in gaps.items())
+    if ties:
+        print(f"near-ties only, not counted as divergences: {found}, gaps {gaps}")
         return None
     again = rerun_reference()
     tokens = {i: (reference[i][pos:pos + 3], other[i][pos:pos + 3]) for i, pos in found.items()}
     repeats = "repeats" if again.token_ids == reference else "differs from"
     return (f"diverges from the run without speculation at {found} (reference vs this run's "
-            f"tokens there: {tokens}); a second run without speculation {repeats} the first")
+            f"tokens there: {tokens}; the target's top-2 logit gaps and tokens there: {gaps}); "
+            f"a second run without speculation {repeats} the first")
 
 
 @pytest.fixture(scope="session")

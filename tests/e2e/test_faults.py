@@ -67,7 +67,8 @@ def test_drafter_dying_mid_run_is_left_out_and_output_unchanged(family, long_ref
                       env={"SMURFS_DRAFTER_FAULT": f"draft-1={fault}:{FAULT_AFTER_STEPS}"})
     assert result.elapsed_s > 2 * HANG_TIMEOUT_S, "the run ended before a hang could be seen"
     report = divergence_report(long_reference.token_ids, result.token_ids,
-                               lambda: run_with(family, None, max_tokens=FAULT_MAX_TOKENS))
+                               lambda: run_with(family, None, max_tokens=FAULT_MAX_TOKENS),
+                               family.target, list(TINY_PROMPTS))
     if report:
         pytest.fail(report)
     stats = {d["name"]: d for d in result.smurfs_stats["drafters"]}

@@ -130,7 +130,8 @@ def test_a_ray_actor_killed_mid_run_costs_speculation_only(family, tmp_path):
     print(f"\nbetween the phases {out['between_s']} s; {json.dumps(second['after'])}")
     for number, phase in enumerate((first, second), 1):
         report = divergence_report(reference.token_ids, phase["token_ids"], lambda: run_job(
-            Job(target=family.target, prompts=list(TINY_PROMPTS), max_tokens=FAULT_MAX_TOKENS)))
+            Job(target=family.target, prompts=list(TINY_PROMPTS), max_tokens=FAULT_MAX_TOKENS)),
+            family.target, list(TINY_PROMPTS))
         if report:
             pytest.fail(f"phase {number} {report}:\n{log[-6000:]}")
 
