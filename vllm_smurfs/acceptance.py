@@ -329,3 +329,18 @@ class ConfidenceCalibration:
 
     def __call__(self, conf: float) -> float:
         return self.curve()[self._bin(conf)]
+
+
+class BandEstimates:
+    """What the controller learns of acceptance in one temperature band: the model-free chain's,
+    the voted chain's with model drafts (with a model-free chain beside them, and alone: where a
+    model draft pays most), and each in-worker drafter's confidence calibration."""
+
+    def __init__(self, max_lookahead: int, num_worker_drafters: int) -> None:
+        self.free = AcceptanceModel(max_lookahead)
+        self.models = {True: AcceptanceModel(max_lookahead),
+                       False: AcceptanceModel(max_lookahead)}
+        self.calibrations = [ConfidenceCalibration() for _ in range(num_worker_drafters)]
+
+    def acceptance_models(self) -> list[AcceptanceModel]:
+        return [self.free, *self.models.values()]

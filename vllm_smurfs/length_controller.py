@@ -52,12 +52,9 @@ bound says no (``PROBE_NEW_REQUESTS``): one request's acceptance says little of 
 So the controller cannot lock the models out for good, and exploring cannot cost more than a few
 percent. The same holds for switching streaming drafters on again (`streaming_mode`).
 
-**While drafting** (:meth:`LengthController.keep_drafting`), an in-worker drafter's draft for a
-request goes on while its next token's chance (the drafter's probabilities, calibrated against
-what the target accepted) beats ``rho`` times its verification, and a forward runs while the
-tokens it and the next ones bring beat ``rho`` times their forwards. **While waiting** for
-streamed drafts (:meth:`LengthController.wait_s`), one more drafter step is waited for while the
-tokens it brings beat ``rho`` times its seconds.
+**While drafting** and **while waiting** for streamed drafts, the step's plan is applied by the
+rules of `drafting_rules` (a draft goes on, one more drafter step is waited for, while what it
+brings beats ``rho`` times what it costs).
 
 Pure module (stdlib only): runs every step for up to a few hundred requests.
 """
@@ -67,7 +64,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_smurfs.acceptance import AcceptanceModel, ConfidenceCalibration
+from vllm_smurfs.acceptance import AcceptanceModel, BandEstimates, ConfidenceCalibration
+from vllm_smurfs.drafting_rules import keep_drafting, wait_s
 from vllm_smurfs.lookahead_types import DraftTiming, StepFeedback, StepTiming
 from vllm_smurfs.plan import (
     DrafterOutcome,
@@ -160,21 +158,6 @@ _PROMPT_SMOOTHING = 0.5
 _OVERHEAD_SMOOTHING = 0.2
 
 
-class _BandEstimates:
-    """What the controller learns of acceptance in one temperature band: the model-free chain's,
-    the voted chain's with model drafts (with a model-free chain beside them, and alone: where a
-    model draft pays most), and each in-worker drafter's confidence calibration."""
-
-    def __init__(self, max_lookahead: int, num_worker_drafters: int) -> None:
-        self.free = AcceptanceModel(max_lookahead)
-        self.models = {True: AcceptanceModel(max_lookahead),
-                       False: AcceptanceModel(max_lookahead)}
-        self.calibrations = [ConfidenceCalibration() for _ in range(num_worker_drafters)]
-
-    def acceptance_models(self) -> list[AcceptanceModel]:
-        return [self.free, *self.models.values()]
-
-
 class LengthController:
     """The one adaptive controller (see the module docstring).
 
@@ -204,7 +187,7 @@ class LengthController:
         self.force_models = self.has_models and (min_lookahead > 0 or not pause_models)
         # What is learnt of acceptance, per temperature band (`acceptance.temperature_band`):
         # created at a band's first request.
-        self._bands: dict[int, _BandEstimates] = {}
+        self._bands: dict[int, BandEstimates] = {}
         self.target_cost = StepCostModel()
         # With streaming drafters, steps while they draft have a curve of their own (the target
         # may lend them cores; never priced below the curve without).
@@ -226,10 +209,10 @@ class LengthController:
                        "without_models_free_chain": 0, "without_models_no_chain": 0}
         self._last: dict[str, Any] = {}
 
-    def band(self, band: int) -> _BandEstimates:
+    def band(self, band: int) -> BandEstimates:
         """The estimates of temperature band ``band`` (0: greedy)."""
         if band not in self._bands:
-            self._bands[band] = _BandEstimates(self.max_lookahead, self.num_worker_drafters)
+            self._bands[band] = BandEstimates(self.max_lookahead, self.num_worker_drafters)
         return self._bands[band]
 
     # The greedy band's estimates (the snapshot's, and the tests').
@@ -694,64 +677,17 @@ class LengthController:
     def keep_drafting(self, plan: Plan, drafter: int, active: Sequence[int],
                       confidences: Sequence[Sequence[float]], drafted_s: float = 0.0
                       ) -> list[int]:
-        """Which of the ``active`` requests get one more token from in-worker drafter
-        ``drafter`` (indices into ``confidences``: the drafter's probability of each token it
-        drafted so far, per request of its ``plan.model_rows``).
-
-        A request's next ``h`` tokens are worth ``q * (a + ... + a^h)``: ``q`` the chance that
-        its draft so far is accepted (the calibrated probabilities multiplied), ``a`` the chance
-        of a next token given its predecessors (its last token's calibrated probability: the
-        drafter's certainty runs in streaks). A request goes on while its next token's worth
-        beats ``rho`` times its verification; the forward runs while, for some ``h``, the
-        requests that go on bring more over the next ``h`` forwards than ``rho`` times those
-        forwards and their verification (a confidently continuing draft pays over several).
-        """
-        if not active:
-            return []
+        """`drafting_rules.keep_drafting` for in-worker drafter ``drafter``, each request's
+        confidences calibrated in its temperature band."""
         rows = plan.model_rows[drafter]
-        rho = plan.rho
-        keep: list[tuple[int, float, float]] = []
-        for i in active:
-            confs = confidences[i]
-            if not confs:
-                continue
-            cal = self.band(plan.bands[rows[i]] if plan.bands else 0).calibrations[drafter]
-            q = 1.0
-            for c in confs:
-                q *= cal(c)
-            a = cal(confs[-1])
-            if q * a > rho * plan.verify_s:
-                keep.append((i, q, a))
-        if not keep:
-            return []
-        cost = self.pass_costs[drafter]
-        if cost.is_empty or rho <= 0:
-            return [i for i, _, _ in keep]
-        pass_s = cost(len(keep)) + len(keep) * plan.verify_s
-        for h in range(1, self.max_lookahead + 1):
-            worth = sum(q * sum(a ** j for j in range(1, h + 1)) for _, q, a in keep)
-            if worth > rho * h * pass_s:
-                return [i for i, _, _ in keep]
-        return []
+        return keep_drafting(
+            plan, active, confidences,
+            lambda i: self.band(plan.bands[rows[i]] if plan.bands else 0).calibrations[drafter],
+            self.pass_costs[drafter], self.max_lookahead)
 
     def wait_s(self, plan: Plan, late: Sequence[tuple[int, int]], max_wait_s: float) -> float:
-        """Seconds to wait for the streaming drafters' next engine step, given the ``late``
-        requests (row, tokens ready) whose plan wants more than is ready: one drafter step
-        (its measured time) while the tokens it brings beat ``rho`` times it, else 0."""
-        if not late or max_wait_s <= 0:
-            return 0.0
-        t_d = self.draft_cost(1, max(1, len(late)))
-        if t_d <= 0 or plan.rho <= 0:
-            return max_wait_s
-        gain = 0.0
-        for row, ready in late:
-            qs = plan.gains.get(row)
-            k = plan.lookaheads[row] if row < len(plan.lookaheads) else 0
-            if qs is not None and ready < min(k, len(qs)):
-                gain += qs[ready]
-        if gain <= plan.rho * t_d:
-            return 0.0
-        return min(t_d, max_wait_s)
+        """`drafting_rules.wait_s`, at the streaming drafters' measured step time."""
+        return wait_s(plan, self.draft_cost(1, max(1, len(late))), late, max_wait_s)
 
     # -- reporting -----------------------------------------------------------------------------
     def _count(self, requests: Sequence[PlanRequest], plan: Plan) -> None:

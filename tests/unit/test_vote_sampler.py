@@ -357,7 +357,7 @@ _PKG = Path(__file__).resolve().parents[2] / "vllm_smurfs"
 
 
 PURE_MODULES = ["vote_sampler.py", "length_controller.py", "plan_search.py", "fixed_lookahead.py",
-                "lookahead_types.py", "acceptance.py",
+                "lookahead_types.py", "acceptance.py", "drafting_rules.py",
                 "step_costs.py", "plan.py", "streaming_mode.py", "model_free.py",
                 "drafter_protocol.py", "trace.py", "trace_sim.py", "trace_report.py",
                 "trace_reconstruct.py", "model_drafting.py"]
