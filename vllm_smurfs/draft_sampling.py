@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -60,8 +61,9 @@ class RowSampling:
                    {position[row]: gen for row, gen in input_batch.generators.items()
                     if row in position})
 
+    @cached_property
     def sampled(self) -> np.ndarray:
-        """[n] bool: which rows sample (temperature > 0)."""
+        """[n] bool: which rows sample (temperature > 0); computed once (read per request)."""
         return self.temperature > SAMPLING_EPS
 
     def take(self, rows: Sequence[int]) -> RowSampling:
@@ -83,9 +85,9 @@ def sample_draft_rows(logits: torch.Tensor, sampling: RowSampling
 
     device = logits.device
     vocab = logits.shape[-1]
-    greedy = torch.from_numpy(~sampling.sampled()).to(device)
+    greedy = torch.from_numpy(~sampling.sampled).to(device)
     temperature = torch.from_numpy(
-        np.where(sampling.sampled(), sampling.temperature, 1.0).astype(np.float32)).to(device)
+        np.where(sampling.sampled, sampling.temperature, 1.0).astype(np.float32)).to(device)
     scaled = logits / temperature.unsqueeze(1)
     top_k = np.where((sampling.top_k > 0) & (sampling.top_k < vocab), sampling.top_k, vocab)
     # vLLM's dtypes for these (its Triton top-k/top-p kernel asserts them on GPU)

@@ -351,7 +351,7 @@ class InWorkerDrafter(DraftModelProposer):
             active = [i for i in active if drafted[i] < batch.caps[i]
                       and lengths[i] + step < self.max_context]
         self._collect(sampled, result, with_confidences=stop is None,
-                      sampling_rows=None if sampling is None else sampling.sampled())
+                      sampling_rows=None if sampling is None else sampling.sampled)
         result.passes = clock.passes()
         return result
 
@@ -450,7 +450,7 @@ class InWorkerDrafter(DraftModelProposer):
         logits = self._logits(hidden).float()
         if sampling is not None and reqs is not None:
             rows = sampling.take(reqs)
-            if rows.sampled().any():
+            if rows.sampled.any():
                 return sample_draft_rows(logits, rows)
         conf, token = torch.softmax(logits, dim=-1).max(dim=-1)
         return token, conf, None

@@ -420,7 +420,7 @@ class SmurfsProposer:
             state.shares, state.band = None, bands[i]
             if k == 0:
                 chain = []
-            elif sampling is not None and sampling.sampled()[i]:
+            elif sampling is not None and sampling.sampled[i]:
                 chain = self._mixture(request.req_id, rows[i], k, per, proposals,
                                       sampling.generators.get(i))
             else:
@@ -522,7 +522,7 @@ class SmurfsProposer:
         for i, request in enumerate(requests):
             chain, row = proposals[rows[i]], rows[i]
             shares = self._state(request.req_id).shares
-            if sampling.sampled()[i] and shares is not None:
+            if sampling.sampled[i] and shares is not None:
                 mixture_rows(shares, drafts[i], dists[i], out[row])
             elif chain:
                 out[row, torch.arange(len(chain)), torch.tensor(chain)] = 1.0

@@ -89,7 +89,7 @@ def test_settings_are_read_from_the_input_batch_rows():
                             generators={3: gen})
     assert RowSampling.from_input_batch(batch, [0, 2]) is None  # all greedy: nothing changes
     rows = RowSampling.from_input_batch(batch, [1, 3])
-    assert rows is not None and list(rows.sampled()) == [True, True]
+    assert rows is not None and list(rows.sampled) == [True, True]
     assert list(rows.top_k) == [20, V] and rows.generators == {1: gen}
     sub = rows.take([1])
     assert list(sub.temperature) == [1.0] and sub.generators == {0: gen}
