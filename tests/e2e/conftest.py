@@ -113,6 +113,20 @@ def divergence_report(reference: list[list[int]], other: list[list[int]],
             f"a second run without speculation {repeats} the first")
 
 
+def fail_on_phase_divergence(reference: Result, phases: list[dict], target: str,
+                             max_tokens: int, log: str = "") -> None:
+    """Fail the test when a phase of a two-phase job diverges from the run without speculation
+    beyond near-ties (`divergence_report`; a second reference of ``max_tokens`` tokens is run
+    only then), with the job's log tail."""
+    for number, phase in enumerate(phases, 1):
+        report = divergence_report(
+            reference.token_ids, phase["token_ids"],
+            lambda: run_job(Job(target=target, prompts=list(TINY_PROMPTS), max_tokens=max_tokens)),
+            target, list(TINY_PROMPTS))
+        if report:
+            pytest.fail(f"phase {number} {report}" + (f":\n{log[-6000:]}" if log else ""))
+
+
 @pytest.fixture(scope="session")
 def greedy_runs(family: TinyFamily):
     """Cached greedy runs by name: 'none'; in-worker drafters: 'smurfs' (fixed lookahead),

@@ -22,7 +22,7 @@ import pytest
 from smurfs_tools.jobs import Job, Result, divergences, run_job
 from smurfs_tools.tiny_models import TINY_PROMPTS
 
-from conftest import LOOKAHEAD, MAX_TOKENS, divergence_report
+from conftest import LOOKAHEAD, MAX_TOKENS, fail_on_phase_divergence
 from ray_cluster_scenario import run_job as run_job_with_log
 from ray_cluster_scenario import run_phases
 
@@ -128,12 +128,7 @@ def test_a_ray_actor_killed_mid_run_costs_speculation_only(family, tmp_path):
     assert not (home / ".ray").exists() and _token_file_state() == real_token
     first, second = out["phases"]
     print(f"\nbetween the phases {out['between_s']} s; {json.dumps(second['after'])}")
-    for number, phase in enumerate((first, second), 1):
-        report = divergence_report(reference.token_ids, phase["token_ids"], lambda: run_job(
-            Job(target=family.target, prompts=list(TINY_PROMPTS), max_tokens=FAULT_MAX_TOKENS)),
-            family.target, list(TINY_PROMPTS))
-        if report:
-            pytest.fail(f"phase {number} {report}:\n{log[-6000:]}")
+    fail_on_phase_divergence(reference, [first, second], family.target, FAULT_MAX_TOKENS, log)
 
     def ray_draft(stats):
         return {d["name"]: d for d in stats["drafters"]}["ray-draft"]

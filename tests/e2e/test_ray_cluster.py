@@ -24,7 +24,7 @@ import pytest
 from smurfs_tools.jobs import Job, divergences, run_job
 from smurfs_tools.tiny_models import TINY_PROMPTS
 
-from conftest import LOOKAHEAD, MAX_TOKENS, divergence_report
+from conftest import LOOKAHEAD, MAX_TOKENS, fail_on_phase_divergence
 
 pytest.importorskip("ray", reason="the 'ray' extra is not installed")
 pytestmark = pytest.mark.e2e
@@ -146,12 +146,7 @@ def test_a_drafter_on_a_worker_node_that_dies_mid_run_costs_speculation_only(fam
                                                         f"{KILL_AFTER_STEPS}"})
     assert out["result"] is not None, out["log"][-6000:]
     first, second = out["result"]["phases"]
-    for number, phase in enumerate((first, second), 1):
-        report = divergence_report(reference.token_ids, phase["token_ids"], lambda: run_job(
-            Job(target=family.target, prompts=list(TINY_PROMPTS), max_tokens=KILL_MAX_TOKENS)),
-            family.target, list(TINY_PROMPTS))
-        if report:
-            pytest.fail(f"phase {number} {report}")
+    fail_on_phase_divergence(reference, [first, second], family.target, KILL_MAX_TOKENS)
     log = out["log"]
     ready = [line for line in log.splitlines() if "ray-draft ready as a Ray actor" in line]
     assert len(ready) == 1 and "(replacement" not in ready[0]  # it ran on the worker node...
