@@ -6,9 +6,9 @@ Each trial tracks a request the drafter has not seen (a ``context_tokens``-token
 polls the client as the proposer does until the first ``tokens`` draft tokens are in it: the
 round trip of a draft (message out, the drafter's engine steps, the tokens back). The drafter's
 own engine time (its reported step seconds) is subtracted to give what the transport adds. The
-same drafter client code serves both (`ray_drafter.RayDrafterClient` is a
-`drafter_client.ModelDrafterClient` with Ray calls for a socket); both run on the same core.
-Also measured: an empty Ray actor call (``ray.get(actor.echo.remote())``) on the same cluster.
+same drafter client code serves both (`drafters.ray_actor.RayDrafterClient` is a
+`drafters.process_client.ModelDrafterClient` with Ray calls for a socket); both run on the same
+core. Also measured: an empty Ray actor call (``ray.get(actor.echo.remote())``) on the same cluster.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import numpy as np
 
 from benchmarks.provenance import provenance
 from vllm_smurfs.config import ModelDrafterConfig
-from vllm_smurfs.drafter_client import ModelDrafterClient
-from vllm_smurfs.ray_drafter import RayDrafterClient
+from vllm_smurfs.drafters.process_client import ModelDrafterClient
+from vllm_smurfs.drafters.ray_actor import RayDrafterClient
 
 
 def trials(client: ModelDrafterClient, n: int, context_tokens: int, tokens: int,

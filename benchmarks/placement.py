@@ -49,7 +49,7 @@ def descendants(root: int) -> list[int]:
 
 
 def process_role(comm: str, args: list[str]) -> str:
-    """A readable name: the module of `python -m MODULE` (offline_worker, drafter_server), else
+    """A readable name: the module of `python -m MODULE` (offline_worker, process_server), else
     the command name (VLLM::Worker, vllm)."""
     if "-m" in args[:-1]:
         return args[args.index("-m") + 1].rsplit(".", 1)[-1]

@@ -38,9 +38,9 @@ class _Strict(BaseModel):
 #: Where a model drafter runs: in the target's worker (vLLM's draft-model machinery: its KV cache
 #: beside the target's, its forwards on the target's threads), or as its own vLLM engine in its own
 #: process (streaming drafts ahead; pays where it runs beside the target: a spare core or device),
-#: or as that engine in a Ray actor (on another core, device or node; `ray_drafter`).
+#: or as that engine in a Ray actor (on another core, device or node; `drafters.ray_actor`).
 PLACEMENTS = ("worker", "process", "ray")
-#: Placements whose drafter is an engine of its own that streams drafts (`drafter_server`).
+#: Placements whose drafter is an engine of its own that streams drafts (`drafters.process_server`).
 STREAMING_PLACEMENTS = ("process", "ray")
 #: Settings of a process drafter's own engine: meaningless for an in-worker drafter.
 PROCESS_ONLY_KEYS = ("kv_cache_gib", "gpu_memory_utilization", "num_threads", "cpus",
@@ -354,7 +354,7 @@ class SmurfsConfig(_Strict):
         default=None,
         description="Append a per-step trace (JSON lines: batch, per-request lookahead and "
         "accepted tokens, step and drafter times) to this file, for the policy simulator "
-        "`python -m vllm_smurfs.trace_sim`.",
+        "`python -m vllm_smurfs.trace`.",
     )
     log_stats_interval_s: float = Field(
         default=10.0, ge=0, description="Period of the per-drafter log line; 0 disables it."

@@ -98,7 +98,8 @@ def _hf_config(model: str, trust_remote_code: bool) -> Any:
 
 
 #: Per-layer kinds (``layer_types`` in a Hugging Face config) an in-worker drafter can have: full
-#: attention, and local attention, which it keeps a full-attention KV cache for (`in_worker_kv`).
+#: attention, and local attention, which it keeps a full-attention KV cache for
+#: (`drafters.in_worker_kv`).
 _WORKER_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
 

@@ -1,10 +1,10 @@
 """The lookahead controller: one planner for every placement of the drafters.
 
-Every step the proposer describes the running requests (`plan.PlanRequest`) and the controller
-returns a `plan.Plan`: which requests the model drafters draft for, how far each request's
-draft may go (0 included), and whether the streaming drafters (process and Ray placements) draft
-on. Its worth is **expected accepted tokens against the step's seconds**, each drafter priced by
-where it runs:
+Every step the proposer describes the running requests (`control.plan.PlanRequest`) and the
+controller returns a `control.plan.Plan`: which requests the model drafters draft for, how far each
+request's draft may go (0 included), and whether the streaming drafters (process and Ray placements)
+draft on. Its worth is **expected accepted tokens against the step's seconds**, each drafter priced
+by where it runs:
 
 * a model-free voter (n-gram lookup) has drafted already, in microseconds: free;
 * a streaming drafter's ready tokens are free too; keeping it drafting may cost the target time
@@ -35,13 +35,13 @@ forward's catch-up of each request at the tokens it will compute; the part beyon
 step's catch-up is an investment in the request's later steps and charged spread over them). A
 plan with drafts is taken only with a margin over the one without (``DRAFT_MARGIN``).
 
-**What it learns** (`acceptance`, `step_costs`), clean by construction: output tokens only; the
-lookaheads as verified; the prompt tokens of each step from the step itself (`StepTiming`); cost
-curves that no single slow call sets (a first call builds oneDNN primitives or compiles), seeded
-by the in-worker drafters' warm-up, that forget old observations and are made monotone by lowering
-a slow point rather than raising the points after it; acceptance per plan, per context and per
-request. The arithmetic of plans (the greedy path, catch-up charges) is `plan_search`; the fixed
-policy is `fixed_lookahead`.
+**What it learns** (`control.acceptance`, `control.step_costs`), clean by construction: output
+tokens only; the lookaheads as verified; the prompt tokens of each step from the step itself
+(`StepTiming`); cost curves that no single slow call sets (a first call builds oneDNN primitives or
+compiles), seeded by the in-worker drafters' warm-up, that forget old observations and are made
+monotone by lowering a slow point rather than raising the points after it; acceptance per plan, per
+context and per request. The arithmetic of plans (the greedy path, catch-up charges) is
+`control.plan_search`; the fixed policy is `control.fixed`.
 
 **Exploration** is optimistic and bounded: the model plan is also valued with an upper
 confidence bound of its acceptance (wide where it has seldom been verified, and widening again
@@ -50,11 +50,11 @@ predicted price of such steps stays within ``EXPLORE_BUDGET`` of the time run so
 1 a request the models never drafted for is probed the same way even when the population's
 bound says no (``PROBE_NEW_REQUESTS``): one request's acceptance says little of the next one's.
 So the controller cannot lock the models out for good, and exploring cannot cost more than a few
-percent. The same holds for switching streaming drafters on again (`streaming_mode`).
+percent. The same holds for switching streaming drafters on again (`control.streaming_mode`).
 
 **While drafting** and **while waiting** for streamed drafts, the step's plan is applied by the
-rules of `drafting_rules` (a draft goes on, one more drafter step is waited for, while what it
-brings beats ``rho`` times what it costs).
+rules of `control.drafting_rules` (a draft goes on, one more drafter step is waited for, while what
+it brings beats ``rho`` times what it costs).
 
 Pure module (stdlib only): runs every step for up to a few hundred requests.
 """
@@ -64,10 +64,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_smurfs.acceptance import AcceptanceModel, BandEstimates, ConfidenceCalibration
-from vllm_smurfs.drafting_rules import keep_drafting, wait_s
-from vllm_smurfs.lookahead_types import DraftTiming, StepFeedback, StepTiming
-from vllm_smurfs.plan import (
+from vllm_smurfs.control.acceptance import AcceptanceModel, BandEstimates, ConfidenceCalibration
+from vllm_smurfs.control.drafting_rules import keep_drafting, wait_s
+from vllm_smurfs.control.feedback import DraftTiming, StepFeedback, StepTiming
+from vllm_smurfs.control.plan import (
     DrafterOutcome,
     Plan,
     PlanRequest,
@@ -75,7 +75,7 @@ from vllm_smurfs.plan import (
     cumulative,
     expected,
 )
-from vllm_smurfs.plan_search import (
+from vllm_smurfs.control.plan_search import (
     ModelChoice,
     Point,
     catch_ups,
@@ -88,9 +88,9 @@ from vllm_smurfs.plan_search import (
     spread_steps,
     total_catch_up,
 )
-from vllm_smurfs.step_costs import DraftCostModel, StepCostModel
-from vllm_smurfs.streaming_mode import DWELL_STEPS as DWELL_STEPS_PRICE
-from vllm_smurfs.streaming_mode import StreamingSwitch
+from vllm_smurfs.control.step_costs import DraftCostModel, StepCostModel
+from vllm_smurfs.control.streaming_mode import DWELL_STEPS as DWELL_STEPS_PRICE
+from vllm_smurfs.control.streaming_mode import StreamingSwitch
 
 __all__ = ["DRAFT_MARGIN", "EXPLORE_BUDGET", "LengthController"]
 
@@ -635,8 +635,8 @@ class LengthController:
 
     def _decide_streaming(self, requests: Sequence[PlanRequest], caps: list[int], rho: float,
                           current_value: float, margin: float) -> None:
-        """Whether the streaming drafters draft on (`streaming_mode.StreamingSwitch`): the plan
-        in hand this step against the plan in the other mode, as it would be in steady state
+        """Whether the streaming drafters draft on (`control.streaming_mode.StreamingSwitch`): the
+        plan in hand this step against the plan in the other mode, as it would be in steady state
         (with streaming, every request has a streamed chain, its acceptance scaled by how often
         one was ready in time), each on its own target curve."""
         assert self.switch is not None
@@ -677,7 +677,7 @@ class LengthController:
     def keep_drafting(self, plan: Plan, drafter: int, active: Sequence[int],
                       confidences: Sequence[Sequence[float]], drafted_s: float = 0.0
                       ) -> list[int]:
-        """`drafting_rules.keep_drafting` for in-worker drafter ``drafter``, each request's
+        """`control.drafting_rules.keep_drafting` for in-worker drafter ``drafter``, each request's
         confidences calibrated in its temperature band."""
         rows = plan.model_rows[drafter]
         return keep_drafting(
@@ -686,7 +686,7 @@ class LengthController:
             self.pass_costs[drafter], self.max_lookahead)
 
     def wait_s(self, plan: Plan, late: Sequence[tuple[int, int]], max_wait_s: float) -> float:
-        """`drafting_rules.wait_s`, at the streaming drafters' measured step time."""
+        """`control.drafting_rules.wait_s`, at the streaming drafters' measured step time."""
         return wait_s(plan, self.draft_cost(1, max(1, len(late))), late, max_wait_s)
 
     # -- reporting -----------------------------------------------------------------------------

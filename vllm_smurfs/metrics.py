@@ -88,10 +88,11 @@ DRAFTER_COUNTERS = ("vote_wins", "drafted_tokens", "accepted_tokens", "steps_lat
 
 
 def _worker_smurfs_stats(worker: Any) -> dict[str, Any] | None:
-    from vllm_smurfs.proposer import SmurfsProposer
-
+    # Smurfs' proposer is the drafter that keeps a `SmurfsStats` (this module does not import
+    # the proposer: it is the proposer's dependency, not the other way round).
     drafter = getattr(worker.model_runner, "drafter", None)
-    return drafter.get_stats() if isinstance(drafter, SmurfsProposer) else None
+    ours = isinstance(getattr(drafter, "stats", None), SmurfsStats)
+    return drafter.get_stats() if ours else None
 
 
 def get_smurfs_stats(llm: Any) -> dict[str, Any]:

@@ -1,14 +1,15 @@
 """The drafter runtime: N drafters, each drafting for every request of a step.
 
-A model drafter sits in the target's worker (`in_worker_drafter`, the default: synchronous, on
+A model drafter sits in the target's worker (`drafters.in_worker`, the default: synchronous, on
 vLLM's draft-model machinery; the proposer drives it), in a process of its own, or in a Ray
-actor (`ray_drafter`). Process and Ray drafters (`drafter_server`) each run their own vLLM
-engine and stream their drafts: per request a drafter keeps a *path* (the text it expects, its
-own greedy continuation of a context), extended one engine step at a time while the target
-verifies. Their clients (`drafter_client`) mirror those
+actor (`drafters.ray_actor`). Process and Ray drafters (`drafters.process_server`) each run their
+own vLLM engine and stream their drafts: per request a drafter keeps a *path* (the text it expects,
+its own greedy continuation of a context), extended one engine step at a time while the target
+verifies. Their clients (`drafters.process_client`) mirror those
 paths; a step takes from each path what is ready and consistent with the request's current text,
 and tells the drafters where the text goes next (`track`).
-Model-free voters (`model_free`: n-gram and suffix) run in this process: they cost microseconds.
+Model-free voters (`drafters.model_free`: n-gram and suffix) run in this process: they cost
+microseconds.
 
 Faults cost speculation, never a request: a drafter with nothing ready gives no draft for the
 step; one that crashes, or stays silent past ``draft_timeout_s`` while it owes an answer, is
@@ -21,7 +22,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,8 @@ from vllm_smurfs.config import (
     SuffixDrafterConfig,
 )
 from vllm_smurfs.cores import ElasticThreads
-from vllm_smurfs.drafter_client import DrafterHealth, ModelDrafterClient
-from vllm_smurfs.model_free import NgramVoter, SuffixVoter
+from vllm_smurfs.drafters.model_free import NgramVoter, SuffixVoter
+from vllm_smurfs.drafters.process_client import DrafterHealth, ModelDrafterClient
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +89,14 @@ class ModelFreeDrafter:
 class DrafterPool:
     """Every drafter's drafts for every request; the vote happens in the proposer.
 
-    Not a vLLM worker (it was called ``MultiDraftWorker``): the proposer's pool of drafters,
-    model-free voters, in-worker drafters and process drafters' clients."""
+    Not a vLLM worker: the proposer's pool of drafters, model-free voters, in-worker drafters and
+    process drafters' clients."""
 
     def __init__(self, config: SmurfsConfig, dtype: str, max_model_len: int, max_num_seqs: int,
                  trust_remote_code: bool = False,
                  in_worker: Callable[[int, ModelDrafterConfig], Any] | None = None) -> None:
         """``in_worker(index, spec)`` builds the in-worker drafter of ``config.drafters[index]``
-        (`in_worker_drafter.InWorkerDrafter`: it needs the engine's config)."""
+        (`drafters.in_worker.InWorkerDrafter`: it needs the engine's config)."""
         self.config = config
         self.drafters: list[Any] = []
         full, placements = _place_drafters(config) if config.process_drafters else (1, {})
@@ -111,7 +112,7 @@ class DrafterPool:
                 lent = max(lent, borrowed)
                 client = ModelDrafterClient
                 if spec.placement == "ray":
-                    from vllm_smurfs.ray_drafter import RayDrafterClient as client
+                    from vllm_smurfs.drafters.ray_actor import RayDrafterClient as client
                 self.drafters.append(client(
                     spec, dtype, max_model_len, max_num_seqs, trust_remote_code,
                     hang_timeout_s=config.draft_timeout_s, cpus=cpus, num_threads=threads))
@@ -244,6 +245,35 @@ class DrafterPool:
             for drafter in missing:
                 drafter.poll(min(left, _WAIT_SLICE_S) / len(missing))
 
+    def collect_streamed(self, requests: Sequence[DraftRequest], drafts: list[list[list[int]]],
+                         rows: Sequence[int], lookaheads: Sequence[int], in_hand: bool,
+                         wait_s: Callable[[list[tuple[int, int]], float], float]) -> float:
+        """The process drafters' drafts for ``requests[rows]`` at ``lookaheads[row]``, written
+        into ``drafts``: pipelined, what is ready (after waiting one drafter step at a time while
+        ``wait_s(late rows and their tokens ready, seconds left)`` says so, within
+        draft_wait_s); synchronous, exactly the lookaheads, waited for (draft_timeout_s).
+        Returns the seconds waited."""
+        started = time.perf_counter()
+        wanted = [replace(requests[i], k=lookaheads[i]) for i in rows]
+        if self.config.pipeline:
+            if not in_hand:
+                return 0.0  # just switched on: they start drafting while the target verifies
+            chosen = [j for j, r in enumerate(wanted) if r.k > 0]
+            while (late := self.late([wanted[j] for j in chosen])):
+                left = self.config.draft_wait_s - (time.perf_counter() - started)
+                seconds = wait_s([(rows[chosen[j]], ready) for j, ready in late], max(0.0, left))
+                if seconds <= 0:
+                    break
+                self.wait([wanted[chosen[j]] for j, _ in late], seconds)
+        else:
+            self.track(wanted, [[] for _ in wanted], [r.k for r in wanted])
+            self.wait(wanted, self.config.draft_timeout_s)
+        ready = self.ready(wanted, True, [drafts[i] for i in rows])
+        for i, new in zip(rows, ready, strict=True):
+            for d in self.model_indices:
+                drafts[i][d] = new[d]
+        return time.perf_counter() - started
+
     @staticmethod
     def _missing(drafter: ModelDrafterClient, requests: Sequence[DraftRequest]) -> bool:
         return any(len(drafter.draft_for(r.req_id, r.context, r.k)) < r.k
@@ -310,7 +340,3 @@ def _place_drafters(config: SmurfsConfig) -> tuple[int, dict[int, tuple[list[int
         shares_turns = bound is not None and not config.pipeline and set(cpus) <= set(bound)
         out[index] = (cpus, borrowed, spec.num_threads or (threads if shares_turns else 1))
     return threads, out
-
-
-#: The old name, kept for one release.
-MultiDraftWorker = DrafterPool

@@ -7,46 +7,44 @@ the step's and the drafters' times), (2) describes the running requests to the c
 takes its plan, (3) drafts by it (model-free voters, streamed drafts, in-worker forwards that
 stop by the controller's rule), and (4) returns the weighted prefix-tree vote per request, or, for
 a request that samples (temperature > 0), the chain of the mixture rule. The algorithms live in
-`vote_sampler` and `length_controller`.
+`vote_sampler` and `length_controller`, the bookkeeping of what a step taught in `step_outcomes`.
 
 Verification is vLLM's own rejection sampler. Greedy requests' chains are verified as one-hot
 drafts: greedy output is the target's own. When a request samples, its in-worker drafters sample
-too (`draft_sampling`), and the proposer hands the runner each chain position's mixture q
+too (`drafters.sampling`), and the proposer hands the runner each chain position's mixture q
 (`take_last_draft_probs`, read by patches.model_runner_propose): sampled output has the target's
 distribution.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 import numpy as np
 
 from vllm_smurfs import cores
-from vllm_smurfs.acceptance import temperature_band
 from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
-from vllm_smurfs.draft_sampling import RowSampling, member_uniforms, mixture_rows
-from vllm_smurfs.fixed_lookahead import FixedLookahead
+from vllm_smurfs.control.acceptance import temperature_band
+from vllm_smurfs.control.feedback import DraftTiming, StepTiming
+from vllm_smurfs.control.fixed import FixedLookahead
+from vllm_smurfs.control.model_drafting import ModelDrafting
+from vllm_smurfs.control.plan import PlanRequest, RequestOutcome
+from vllm_smurfs.drafters.sampling import RowSampling, chain_probs, member_uniforms
 from vllm_smurfs.length_controller import LengthController
-from vllm_smurfs.lookahead_types import DraftTiming, StepTiming
 from vllm_smurfs.metrics import DrafterStats, SmurfsStats
-from vllm_smurfs.model_drafting import ModelDrafting
-from vllm_smurfs.multi_draft_worker import DraftRequest, DrafterPool
-from vllm_smurfs.plan import DrafterOutcome, Plan, PlanRequest, RequestOutcome
-from vllm_smurfs.trace import TraceRequest, TraceStep
+from vllm_smurfs.multi_draft_worker import DrafterPool, DraftRequest
+from vllm_smurfs.runner_hooks import StepContext, remaining_tokens
+from vllm_smurfs.step_outcomes import RequestState, learn, per_request_entries, trace_requests
+from vllm_smurfs.trace.format import TraceStep
 from vllm_smurfs.vote_sampler import (
     DrafterWeights,
     WeightUpdateRule,
-    matched_prefix_len,
     pick_mixture_chain,
-    score_draft,
     weighted_prefix_vote,
 )
 
@@ -57,40 +55,6 @@ logger = logging.getLogger(__name__)
 #: batches, so that their first steps are neither slow nor, when the target lends cores to
 #: model drafters, stuck on fewer threads.
 _WARM_TOKEN_COUNTS = 32
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """What vLLM knows about the batch and does not pass to custom proposers (see patches)."""
-
-    req_ids: list[str]  # [num_reqs] in the row order of propose()'s arrays
-    finished_req_ids: frozenset[str]  # finished or aborted since the last step
-    restarted_req_ids: frozenset[str]  # preempted or resumed: their old drafts are void
-    max_spec_tokens: int  # the scheduler's lookahead cap for this step (0 = none given)
-    # The drafts verified in this step, as the scheduler sent them (it may cut a draft short,
-    # e.g. near max_tokens); None when unknown: the proposer's own last draft is assumed.
-    verified_drafts: Mapping[str, list[int]] | None = None
-    num_scheduled_tokens: int = 0  # tokens the target computes in this step (drafts, prefills)
-    # [num_reqs] prompt length per row (the suffix voter's prompt tree); None when unknown.
-    num_prompt_tokens: Sequence[int] | None = None
-    # The model runner (in-worker drafters address their KV cache through its block tables, and
-    # the planner reads each request's remaining token budget); None in unit tests.
-    runner: Any = None
-
-
-@dataclass
-class _RequestState:
-    weights: DrafterWeights
-    drafts: list[list[int]] | None = None  # each drafter's draft of the last step
-    voted: list[int] | None = None  # the chain sent to the target last step
-    free_chain: list[int] | None = None  # the model-free voters' own chain
-    models: bool = False  # model drafts (in-worker or streamed) were in its vote
-    with_free: bool = False  # a model-free chain was in hand when it was planned
-    # Each in-worker drafter's probability of each of its draft tokens (empty for the others).
-    confidences: list[list[float]] | None = None
-    # The mixture's member shares per chain position (a request that samples), else None.
-    shares: list[dict[int, float]] | None = None
-    band: int = 0  # its temperature band (the controller learns acceptance per band)
 
 
 Controller = LengthController | FixedLookahead
@@ -128,18 +92,9 @@ def _without_model_drafters(config: SmurfsConfig) -> SmurfsConfig:
 
 def _in_worker_drafter(spec: Any, index: int, vllm_config: Any, num_speculative_tokens: int) -> Any:
     # Imported here: it imports vLLM's model machinery (the proposer's own tests run without).
-    from vllm_smurfs.in_worker_drafter import InWorkerDrafter
+    from vllm_smurfs.drafters.in_worker import InWorkerDrafter
 
     return InWorkerDrafter(spec, index, vllm_config, num_speculative_tokens)
-
-
-def _remaining_tokens(runner: Any, req_id: str) -> int | None:
-    """Output tokens a request may still produce (its max_tokens left), when the runner says."""
-    state = getattr(runner, "requests", {}).get(req_id) if runner is not None else None
-    max_tokens = getattr(getattr(state, "sampling_params", None), "max_tokens", None)
-    if max_tokens is None:
-        return None
-    return max(0, int(max_tokens) - len(getattr(state, "output_token_ids", ())))
 
 
 class SmurfsProposer:
@@ -168,7 +123,7 @@ class SmurfsProposer:
                                                               self.num_speculative_tokens),
         )
         self.stats = SmurfsStats(drafters=[DrafterStats(n) for n in self.worker.names])
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         self._step: StepContext | None = None
         self._last_log = time.monotonic()
         self._returned_at: float | None = None  # when propose() last returned
@@ -352,7 +307,7 @@ class SmurfsProposer:
                         streamed_lens[i],
                         tuple(d.catch_up_tokens(r.req_id, len(r.context))
                               if d.can_draft(len(r.context)) else None for d in drafters),
-                        remaining=_remaining_tokens(step.runner, r.req_id), band=bands[i])
+                        remaining=remaining_tokens(step.runner, r.req_id), band=bands[i])
             for i, r in enumerate(requests)], max_lookahead)
         model_rows = plan.model_row_set
         # The process drafters work for this step: pipelined, on every request while streaming
@@ -369,8 +324,10 @@ class SmurfsProposer:
 
         waited_s = 0.0
         if external_rows:
-            waited_s = self._collect_streamed(requests, drafts, plan, in_hand,
-                                              sorted(external_rows))
+            waited_s = worker.collect_streamed(
+                requests, drafts, sorted(external_rows), plan.lookaheads, in_hand,
+                lambda late, left: self.controller.wait_s(plan, late, left))
+            self.stats.wait_s += waited_s
         forwards_s = 0.0
         confidences: list[list[list[float]]] = [[[] for _ in drafters] for _ in range(n)]
         # [request][drafter] q rows of an in-worker drafter's sampled draft (None: point mass).
@@ -439,8 +396,12 @@ class SmurfsProposer:
             for j, d in enumerate(in_worker):
                 state.confidences[d] = confidences[i][j]
         if sampling is not None:
-            self._draft_probs = self._chain_probs(step, rows, requests, drafts, dists, sampling,
-                                                  proposals)
+            # What each chain position is verified against (vocab: the target's logits' width).
+            self._draft_probs = chain_probs(
+                len(step.req_ids), int(step.runner.model_config.get_vocab_size()),
+                step.runner.device, [proposals[row] for row in rows], rows,
+                [self._state(r.req_id).shares if sampling.sampled[i] else None
+                 for i, r in enumerate(requests)], drafts, dists)
         if external_rows and pipelined:
             # Drafters go on past the chains while the target verifies them.
             worker.track(requests, voted_chains, [self._max_lead(max_lookahead)] * n)
@@ -450,36 +411,6 @@ class SmurfsProposer:
                                  "models": sorted(model_rows), "external": len(external_rows),
                                  "free": free_lens}
         return forwards_s, waited_s
-
-    def _collect_streamed(self, requests: list[DraftRequest], drafts: list[list[list[int]]],
-                          plan: Plan, in_hand: bool, rows: list[int]) -> float:
-        """The process drafters' drafts for ``rows``: pipelined, what is ready (after waiting one
-        drafter step at a time while the controller finds it worth it, within draft_wait_s);
-        synchronous, exactly the lookaheads, waited for. Returns the seconds waited."""
-        worker = self.worker
-        started = time.perf_counter()
-        wanted = [dataclasses.replace(requests[i], k=plan.lookaheads[i]) for i in rows]
-        if self.config.pipeline:
-            if not in_hand:
-                return 0.0  # just switched on: they start drafting while the target verifies
-            chosen = [j for j, r in enumerate(wanted) if r.k > 0]
-            while (late := worker.late([wanted[j] for j in chosen])):
-                left = self.config.draft_wait_s - (time.perf_counter() - started)
-                wait_s = self.controller.wait_s(
-                    plan, [(rows[chosen[j]], ready) for j, ready in late], max(0.0, left))
-                if wait_s <= 0:
-                    break
-                worker.wait([wanted[chosen[j]] for j, _ in late], wait_s)
-        else:
-            worker.track(wanted, [[] for _ in wanted], [r.k for r in wanted])
-            worker.wait(wanted, self.config.draft_timeout_s)
-        ready = worker.ready(wanted, True, [drafts[i] for i in rows])
-        for i, new in zip(rows, ready, strict=True):
-            for d in worker.model_indices:
-                drafts[i][d] = new[d]
-        waited = time.perf_counter() - started
-        self.stats.wait_s += waited
-        return waited
 
     def _vote(self, req_id: str, row: int, k: int, per_drafter: list[list[int]],
               proposals: list[list[int]]) -> list[int]:
@@ -505,33 +436,10 @@ class SmurfsProposer:
             self.stats.sampled_drafts += 1
         return picked.tokens
 
-    def _chain_probs(self, step: StepContext, rows: list[int], requests: list[DraftRequest],
-                     drafts: list[list[list[int]]], dists: list[list[Any]],
-                     sampling: RowSampling, proposals: list[list[int]]) -> Any:
-        """[num_reqs, longest chain, vocab] float32: what each chain position is verified
-        against. A sampling request's rows are its mixture q; the others' chains are one-hot
-        (greedy requests: the verifier reads no q for them; point masses anyway)."""
-        import torch
-
-        longest = max((len(proposals[row]) for row in rows), default=0)
-        if longest == 0:
-            return None
-        vocab = int(step.runner.model_config.get_vocab_size())  # the target's logits' width
-        out = torch.zeros((len(step.req_ids), longest, vocab), dtype=torch.float32,
-                          device=step.runner.device)
-        for i, request in enumerate(requests):
-            chain, row = proposals[rows[i]], rows[i]
-            shares = self._state(request.req_id).shares
-            if sampling.sampled[i] and shares is not None:
-                mixture_rows(shares, drafts[i], dists[i], out[row])
-            elif chain:
-                out[row, torch.arange(len(chain)), torch.tensor(chain)] = 1.0
-        return out
-
     def take_last_draft_probs(self) -> Any:
-        """The last step's q per chain position (see `_chain_probs`), once; None when no request
-        sampled. vLLM's runner reads this of its own proposers; for ``custom_class`` the
-        patches.model_runner_propose patch does."""
+        """The last step's q per chain position (`drafters.sampling.chain_probs`), once; None
+        when no request sampled. vLLM's runner reads this of its own proposers; for
+        ``custom_class`` the patches.model_runner_propose patch does."""
         probs, self._draft_probs = self._draft_probs, None
         return probs
 
@@ -549,84 +457,29 @@ class SmurfsProposer:
         self.controller.forget(req_ids)
         self.worker.forget(req_ids)
 
-    def _state(self, req_id: str) -> _RequestState:
+    def _state(self, req_id: str) -> RequestState:
         state = self._states.get(req_id)
         if state is None:
             # A new request starts from what all requests taught the vote so far.
-            state = self._states[req_id] = _RequestState(self.global_weights.copy())
+            state = self._states[req_id] = RequestState(self.global_weights.copy())
         return state
 
     def _learn(self, step: StepContext,
                sampled_token_ids: list[list[int]]) -> list[RequestOutcome]:
-        """Score every drafter's last draft against what the target produced; tell the
-        controller what each request's last step taught."""
-        outcomes = []
-        in_worker = self.worker.in_worker_indices
-        for req_id, produced in zip(step.req_ids, sampled_token_ids, strict=True):
-            state = self._states.get(req_id)
-            if state is None or state.free_chain is None or not produced:
-                continue
-            verified = (state.voted or [] if step.verified_drafts is None
-                        else step.verified_drafts.get(req_id, []))
-            accepted = matched_prefix_len(verified, produced)
-            if verified:
-                self.stats.verified_drafts += 1
-                self.stats.verified_draft_tokens += len(verified)
-                self.stats.accepted_tokens += accepted
-            free = None
-            if state.free_chain:
-                free = DrafterOutcome(len(state.free_chain),
-                                      matched_prefix_len(state.free_chain, produced),
-                                      len(produced))
-            own = []
-            if state.drafts is not None:
-                # Every drafter is judged on what the target produced, verified draft or not.
-                scores = [score_draft(draft, produced) for draft in state.drafts]
-                state.weights.update(scores)
-                self.global_weights.update(scores)
-                for drafter_stats, draft in zip(self.stats.drafters, state.drafts, strict=True):
-                    drafter_stats.drafted_tokens += len(draft)
-                    drafter_stats.accepted_tokens += matched_prefix_len(draft, produced)
-                for d in in_worker:
-                    draft = state.drafts[d]
-                    own.append(DrafterOutcome(
-                        len(draft), matched_prefix_len(draft, produced), len(produced),
-                        tuple(state.confidences[d]) if state.confidences else ())
-                        if draft else None)
-            outcomes.append(RequestOutcome(
-                req_id, free=free, voted=(len(verified), accepted) if verified else None,
-                models=state.models, with_free=state.with_free, drafters=tuple(own),
-                band=state.band))
-            state.voted = state.drafts = state.confidences = state.free_chain = None
-            state.models = False
-        for drafter_stats, weight in zip(self.stats.drafters, self.global_weights.weights,
-                                         strict=True):
-            drafter_stats.weight = weight
+        """Score every drafter's last draft (`step_outcomes.learn`); tell the controller."""
+        outcomes = learn(self._states, step.req_ids, sampled_token_ids, step.verified_drafts,
+                         self.worker.in_worker_indices, self.stats, self.global_weights)
         self.controller.observe(outcomes)
         return outcomes
 
     def _write_trace(self, step: StepContext, sampled_token_ids: list[list[int]],
                      num_tokens_no_spec: np.ndarray, outcomes: list[RequestOutcome],
                      step_s: float, draft_timings: list[DraftTiming]) -> None:
-        """One line of the ``trace_file`` (format: `vllm_smurfs.trace`)."""
+        """One line of the ``trace_file`` (format: `vllm_smurfs.trace.format`)."""
         assert self._trace is not None
-        by_id = {o.req_id: o for o in outcomes}
-        requests = []
-        for i, (req_id, produced) in enumerate(zip(step.req_ids, sampled_token_ids,
-                                                   strict=True)):
-            if not produced:
-                continue
-            o = by_id.get(req_id)
-            voted = o.voted if o is not None and o.voted is not None else (0, 0)
-            requests.append(TraceRequest(
-                req_id, int(num_tokens_no_spec[i]) - len(produced), voted[0], voted[1],
-                free=(o.free.tokens, o.free.matched) if o is not None and o.free else None,
-                models=bool(o is not None and o.models),
-                drafts=tuple((d.tokens, d.matched) if d is not None else None
-                             for d in o.drafters) if o is not None else (),
-                band=o.band if o is not None else 0))
+        requests = trace_requests(step.req_ids, sampled_token_ids, num_tokens_no_spec, outcomes)
         line = TraceStep(self.stats.steps, time.monotonic(), step_s, step.num_scheduled_tokens,
-                         tuple(requests), tuple(draft_timings),
+                         requests, tuple(draft_timings),
                          drafting=self.model_drafting.on,
                          prompt_tokens=min(self._prompt_tokens, step.num_scheduled_tokens),
                          passes=tuple(self._passes)).to_dict()
@@ -667,8 +520,7 @@ class SmurfsProposer:
         none may be scored later against another step's tokens, and the next step is not timed
         from our last return (two steps apart)."""
         for state in self._states.values():
-            state.drafts = state.voted = state.confidences = state.free_chain = None
-            state.models = False
+            state.drop_pending()
         self.controller.step_lost()
         self._returned_at = None
 
@@ -679,31 +531,8 @@ class SmurfsProposer:
         return {
             "requests": len(self._states),
             "pending_drafts": sum(s.voted is not None for s in self._states.values()),
-            "controller": _per_request_entries(self.controller),
-            "drafters": sum(_per_request_entries(d, depth=0)
+            "controller": per_request_entries(self.controller),
+            "drafters": sum(per_request_entries(d, depth=0)
                             for d in getattr(self.worker, "drafters", ())),
         }
 
-
-#: Attributes that hold one entry per live request, in the proposer's parts (the controller's
-#: acceptance models, the drafters' paths and catch-up positions).
-_PER_REQUEST_ATTRIBUTES = ("_requests", "_last_drafted", "expected", "_synced", "_paths", "_live",
-                           "_sent")
-
-
-def _per_request_entries(holder: Any, depth: int = 2) -> int:
-    """Entries of `_PER_REQUEST_ATTRIBUTES` in ``holder`` and its parts, ``depth`` levels down."""
-    try:
-        attributes = vars(holder)
-    except TypeError:
-        return 0
-    count = 0
-    for name, value in attributes.items():
-        if name in _PER_REQUEST_ATTRIBUTES and isinstance(value, (dict, set)):
-            count += len(value)
-        elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, type):
-            count += _per_request_entries(value, depth - 1)
-        elif depth > 0 and isinstance(value, dict):  # parts kept by key (acceptance models)
-            count += sum(_per_request_entries(v, depth - 1) for v in value.values()
-                         if hasattr(v, "__dict__") and not isinstance(v, type))
-    return count

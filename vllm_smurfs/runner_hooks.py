@@ -1,16 +1,46 @@
 """What the model runner patches do around vLLM's steps, without vLLM (pure, unit tested).
 
 `patches.model_runner_execute` calls `deliver_lifecycle` before every step's forward, and
-`patches.model_runner_propose` calls `mark_proposed` and `within_vocabulary` around vLLM's
-``propose_draft_token_ids``.
+`patches.model_runner_propose` hands the proposer a `StepContext` and calls `mark_proposed` and
+`within_vocabulary` around vLLM's ``propose_draft_token_ids``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 #: Runner attribute: the runner's last step computed tokens, and its propose call has not come.
 PROPOSE_PENDING = "_smurfs_propose_pending"
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What vLLM knows about the batch and does not pass to custom proposers (see patches)."""
+
+    req_ids: list[str]  # [num_reqs] in the row order of propose()'s arrays
+    finished_req_ids: frozenset[str]  # finished or aborted since the last step
+    restarted_req_ids: frozenset[str]  # preempted or resumed: their old drafts are void
+    max_spec_tokens: int  # the scheduler's lookahead cap for this step (0 = none given)
+    # The drafts verified in this step, as the scheduler sent them (it may cut a draft short,
+    # e.g. near max_tokens); None when unknown: the proposer's own last draft is assumed.
+    verified_drafts: Mapping[str, list[int]] | None = None
+    num_scheduled_tokens: int = 0  # tokens the target computes in this step (drafts, prefills)
+    # [num_reqs] prompt length per row (the suffix voter's prompt tree); None when unknown.
+    num_prompt_tokens: Sequence[int] | None = None
+    # The model runner (in-worker drafters address their KV cache through its block tables, and
+    # the planner reads each request's remaining token budget); None in unit tests.
+    runner: Any = None
+
+
+def remaining_tokens(runner: Any, req_id: str) -> int | None:
+    """Output tokens a request may still produce (its max_tokens left), when the runner says."""
+    state = getattr(runner, "requests", {}).get(req_id) if runner is not None else None
+    max_tokens = getattr(getattr(state, "sampling_params", None), "max_tokens", None)
+    if max_tokens is None:
+        return None
+    return max(0, int(max_tokens) - len(getattr(state, "output_token_ids", ())))
 
 
 class LifecycleListener(Protocol):

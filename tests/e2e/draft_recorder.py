@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from vllm_smurfs.in_worker_drafter import InWorkerDrafter
+from vllm_smurfs.drafters.in_worker import InWorkerDrafter
 
 _LOG = os.environ["SMURFS_TEST_DRAFT_LOG"]
 _draft_safely = InWorkerDrafter.draft_safely

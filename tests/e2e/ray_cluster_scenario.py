@@ -94,7 +94,7 @@ def run_child(command: list[str], job: dict[str, Any], env: dict[str, str], time
 
 def cluster_state(port: int, env: dict[str, str]) -> dict[str, Any]:
     """Whether the cluster still answers, and its alive nodes (asked as the user would)."""
-    probe = (f"from vllm_smurfs.ray_cluster import probe, user_token\n"
+    probe = (f"from vllm_smurfs.drafters.ray_cluster import probe, user_token\n"
              f"a = probe('127.0.0.1:{port}', user_token())\n"
              f"print(a.code, len(a.node_ids))")
     out = sh(sys.executable, "-c", probe, env=env, check=False).stdout.split()

@@ -162,7 +162,7 @@ import logging, os, time
 import numpy as np
 logging.basicConfig(level=logging.INFO)
 from vllm_smurfs.config import ModelDrafterConfig
-from vllm_smurfs.ray_drafter import RayDrafterClient
+from vllm_smurfs.drafters.ray_actor import RayDrafterClient
 
 spec = ModelDrafterConfig(model={family.drafts[0]!r}, placement="ray", dtype="float32")
 client = RayDrafterClient(spec, "float32", 256, 4, False, hang_timeout_s=5.0)

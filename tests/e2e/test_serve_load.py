@@ -100,7 +100,7 @@ def drafter_pid(model: str) -> int:
                 cmdline = f.read().decode(errors="replace")
         except OSError:
             continue
-        if "vllm_smurfs.drafter_server" in cmdline and json.dumps(model) in cmdline:
+        if "vllm_smurfs.drafters.process_server" in cmdline and json.dumps(model) in cmdline:
             found.append(int(pid))
     assert len(found) == 1, f"expected one drafter process for {model}, found {found}"
     return found[0]

@@ -427,8 +427,9 @@ def test_a_missing_suffix_dependency_is_reported_before_any_engine_starts(monkey
 def test_process_roles():
     from benchmarks.placement import process_role
 
-    assert process_role("python", ["/v/python", "-m", "vllm_smurfs.drafter_server", "/s"]) == \
-        "drafter_server"
+    assert process_role(
+        "python", ["/v/python", "-m", "vllm_smurfs.drafters.process_server", "/s"]) == \
+        "process_server"
     assert process_role("VLLM::Worker", ["VLLM::Worker"]) == "VLLM::Worker"
 
 

@@ -1,4 +1,4 @@
-"""Sampled drafts (`draft_sampling`) and the mixture rule's member picks (`vote_sampler`):
+"""Sampled drafts (`drafters.sampling`) and the mixture rule's member picks (`vote_sampler`):
 the drafters' sampling at a request's settings, the mixture q the engine builds on its device
 (the same as the pure rule's), the picks' law, and acceptance learnt per temperature band."""
 
@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_smurfs.acceptance import temperature_band
-from vllm_smurfs.draft_sampling import (
+from vllm_smurfs.control.acceptance import temperature_band
+from vllm_smurfs.control.feedback import StepTiming
+from vllm_smurfs.control.plan import PlanRequest, RequestOutcome
+from vllm_smurfs.drafters.sampling import (
     RowSampling,
     member_uniforms,
     mixture_rows,
     sample_draft_rows,
 )
 from vllm_smurfs.length_controller import LengthController
-from vllm_smurfs.lookahead_types import StepTiming
-from vllm_smurfs.plan import PlanRequest, RequestOutcome
 from vllm_smurfs.vote_sampler import mixture_shares, mixture_step, pick_mixture_chain
 
 V = 6

@@ -10,12 +10,12 @@ from multiprocessing import Pipe
 import numpy as np
 import pytest
 
-from vllm_smurfs.channel import Channel, frame
 from vllm_smurfs.config import ModelDrafterConfig, SmurfsConfig
-from vllm_smurfs.drafter_protocol import Forget, Pause, StepFailed, Track, Update
-from vllm_smurfs.drafter_server import PathDrafter
-from vllm_smurfs.drafter_client import MAX_MESSAGES_IN_FLIGHT, ModelDrafterClient
-from vllm_smurfs.multi_draft_worker import DraftRequest, DrafterPool
+from vllm_smurfs.drafters.channel import Channel, frame
+from vllm_smurfs.drafters.process_client import MAX_MESSAGES_IN_FLIGHT, ModelDrafterClient
+from vllm_smurfs.drafters.process_server import PathDrafter
+from vllm_smurfs.drafters.protocol import Forget, Pause, StepFailed, Track, Update
+from vllm_smurfs.multi_draft_worker import DrafterPool, DraftRequest
 
 
 def ctx(*tokens):
@@ -315,7 +315,7 @@ def test_half_a_message_never_blocks_a_read(client_and_server):
 def test_sends_never_block_and_stop_at_the_byte_bound(client_and_server, monkeypatch):
     # A drafter that stops reading: its socket fills; no send waits, and beyond the bound the
     # messages are refused (counted as skipped), pause and forget included.
-    import vllm_smurfs.drafter_client as mdw
+    import vllm_smurfs.drafters.process_client as mdw
 
     client, _server = client_and_server
     client._channel.max_pending_bytes = 1 << 18
@@ -365,7 +365,7 @@ def test_a_failed_step_resets_both_sides_and_three_in_a_row_leave_the_drafter_ou
     client.poll(1.0)
     assert client.draft_for("r", ctx(1, 2), 4) == [3]
     # Counted at the call (the test session's logging config may hand a record to two handlers).
-    import vllm_smurfs.drafter_client as mdw
+    import vllm_smurfs.drafters.process_client as mdw
 
     warned: list[str] = []
     monkeypatch.setattr(mdw.logger, "warning", lambda msg, *args: warned.append(msg % args))
@@ -387,7 +387,7 @@ def test_a_failed_step_resets_both_sides_and_three_in_a_row_leave_the_drafter_ou
 
 
 def test_a_path_is_compared_with_the_text_only_where_it_grew():
-    from vllm_smurfs.drafter_client import _Path
+    from vllm_smurfs.drafters.process_client import _Path
 
     path = _Path(np.arange(10, dtype=np.int32), drafting=True)
     for token in range(10, 1000):

@@ -13,7 +13,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from vllm_smurfs.in_worker_kv import (
+from vllm_smurfs.drafters.in_worker_kv import (
     UnsupportedDrafterLayers,
     full_attention_spec,
     keep_kv_for_request_lifetime,

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_smurfs import in_worker_drafter as module
-from vllm_smurfs.drafter_client import DrafterHealth
-from vllm_smurfs.in_worker_drafter import (
+from vllm_smurfs.drafters import in_worker as module
+from vllm_smurfs.drafters.in_worker import (
     DraftRows,
     FatalDrafterError,
     InWorkerDrafter,
     is_fatal_device_error,
 )
+from vllm_smurfs.drafters.process_client import DrafterHealth
 
 VOCAB = 50
 BLOCK = 4

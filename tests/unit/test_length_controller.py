@@ -12,16 +12,16 @@ import random
 
 import pytest
 
-from vllm_smurfs.fixed_lookahead import FixedLookahead
+from vllm_smurfs.control.acceptance import ConfidenceCalibration
+from vllm_smurfs.control.feedback import DraftTiming, StepTiming
+from vllm_smurfs.control.fixed import FixedLookahead
+from vllm_smurfs.control.plan import DrafterOutcome, PlanRequest, RequestOutcome
+from vllm_smurfs.control.step_costs import StepCostModel
 from vllm_smurfs.length_controller import (
     EXPLORE_ALLOWANCE_S,
     EXPLORE_BUDGET,
     LengthController,
 )
-from vllm_smurfs.lookahead_types import DraftTiming, StepTiming
-from vllm_smurfs.plan import DrafterOutcome, PlanRequest, RequestOutcome
-from vllm_smurfs.acceptance import ConfidenceCalibration
-from vllm_smurfs.step_costs import StepCostModel
 
 K = 6
 

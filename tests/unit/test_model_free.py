@@ -1,4 +1,4 @@
-"""Unit and property tests for vllm_smurfs.model_free (pure, no engine)."""
+"""Unit and property tests for vllm_smurfs.drafters.model_free (pure, no engine)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_smurfs.model_free import NgramVoter, ngram_lookup
+from vllm_smurfs.drafters.model_free import NgramVoter, ngram_lookup
 
 
 def _ctx(*tokens: int) -> np.ndarray:

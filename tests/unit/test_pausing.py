@@ -9,10 +9,10 @@ from multiprocessing import Pipe
 import numpy as np
 import pytest
 
-from vllm_smurfs.channel import Channel
 from vllm_smurfs.config import ModelDrafterConfig
-from vllm_smurfs.drafter_client import ModelDrafterClient, stops_when_paused
-from vllm_smurfs.drafter_protocol import Pause, Track
+from vllm_smurfs.drafters.channel import Channel
+from vllm_smurfs.drafters.process_client import ModelDrafterClient, stops_when_paused
+from vllm_smurfs.drafters.protocol import Pause, Track
 
 
 def test_only_cpu_drafters_on_the_targets_cores_are_stopped():
@@ -42,7 +42,7 @@ def _wait_state(pid: int, expected: str, timeout: float = 5.0) -> str:
 ])
 def test_a_paused_gpu_drafter_process_keeps_running(info, stopped, monkeypatch):
     # The target's threads on every core this machine has: a CPU drafter shares one of them.
-    monkeypatch.setattr("vllm_smurfs.drafter_client.target_cores", lambda: [0, 1])
+    monkeypatch.setattr("vllm_smurfs.drafters.process_client.target_cores", lambda: [0, 1])
     client = ModelDrafterClient(ModelDrafterConfig(model="/m", name="m", placement="process"),
                                 dtype="float32", max_model_len=64, max_num_seqs=4,
                                 trust_remote_code=False, hang_timeout_s=5.0)

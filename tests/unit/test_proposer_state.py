@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from vllm_smurfs import proposer as proposer_module
-from vllm_smurfs.plan import Plan
-from vllm_smurfs.proposer import SmurfsProposer, StepContext
+from vllm_smurfs.control.plan import Plan
+from vllm_smurfs.proposer import SmurfsProposer
+from vllm_smurfs.runner_hooks import StepContext
 
 K = 4
 
@@ -157,7 +158,7 @@ def test_pipelined_proposer_drafts_ahead_past_the_voted_chain(proposer):
 
 
 def test_trace_file_records_verified_drafts_for_the_simulator(monkeypatch, tmp_path):
-    from vllm_smurfs.trace import read_trace
+    from vllm_smurfs.trace.format import read_trace
 
     path = tmp_path / "trace.jsonl"
     p = make_proposer(monkeypatch, trace_file=str(path))

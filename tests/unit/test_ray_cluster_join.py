@@ -10,8 +10,8 @@ pytest.importorskip("ray", reason="the 'ray' extra is not installed")
 
 from ray._private import ray_constants, services  # noqa: E402
 
-from vllm_smurfs import ray_cluster  # noqa: E402
-from vllm_smurfs.ray_cluster import (  # noqa: E402
+from vllm_smurfs.drafters import ray_cluster  # noqa: E402
+from vllm_smurfs.drafters.ray_cluster import (  # noqa: E402
     ProbeAnswer,
     named_cluster,
     placement_problem,

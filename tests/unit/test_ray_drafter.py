@@ -3,7 +3,7 @@ calls run in, and the stream yielding what the server sent, in order, as it come
 
 import asyncio
 
-from vllm_smurfs.ray_drafter import RayDrafterActor, _QueueConnection
+from vllm_smurfs.drafters.ray_actor import RayDrafterActor, _QueueConnection
 
 
 def _actor() -> RayDrafterActor:
@@ -59,8 +59,8 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 
 from vllm_smurfs.config import ModelDrafterConfig  # noqa: E402
-from vllm_smurfs.drafter_protocol import Ready  # noqa: E402
-from vllm_smurfs.ray_drafter import RayDrafterClient, actor_options  # noqa: E402
+from vllm_smurfs.drafters.protocol import Ready  # noqa: E402
+from vllm_smurfs.drafters.ray_actor import RayDrafterClient, actor_options  # noqa: E402
 
 
 def test_on_cpu_the_actor_asks_for_no_device():
@@ -165,8 +165,8 @@ def _client(ray, monkeypatch, ray_options, hang_timeout_s=30.0):
     if "vllm.platforms" not in sys.modules or not isinstance(
             getattr(sys.modules["vllm.platforms"], "current_platform", None), SimpleNamespace):
         _platform(monkeypatch, "", "cpu")  # vLLM-CPU's
-    monkeypatch.setattr("vllm_smurfs.ray_drafter.connect", lambda cpus, address: ray)
-    monkeypatch.setattr("vllm_smurfs.drafter_client.target_cores", lambda: None)
+    monkeypatch.setattr("vllm_smurfs.drafters.ray_actor.connect", lambda cpus, address: ray)
+    monkeypatch.setattr("vllm_smurfs.drafters.process_client.target_cores", lambda: None)
     client = RayDrafterClient(
         ModelDrafterConfig(model="/m", name="ssm", placement="ray", ray_options=ray_options),
         "float32", 64, 4, False, hang_timeout_s=hang_timeout_s, cpus=[0])

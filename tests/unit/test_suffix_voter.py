@@ -1,5 +1,5 @@
-"""The suffix voter (vllm_smurfs.model_free.SuffixVoter) against Arctic's cache driven the way
-vLLM's own ``suffix`` proposer drives it, its global cache, and its config."""
+"""The suffix voter (vllm_smurfs.drafters.model_free.SuffixVoter) against Arctic's cache driven the
+way vLLM's own ``suffix`` proposer drives it, its global cache, and its config."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from vllm_smurfs import config as config_module
 from vllm_smurfs.config import SmurfsConfig, SuffixDrafterConfig
-from vllm_smurfs.model_free import SuffixVoter
-from vllm_smurfs.multi_draft_worker import DraftRequest, DrafterPool
+from vllm_smurfs.drafters.model_free import SuffixVoter
+from vllm_smurfs.multi_draft_worker import DrafterPool, DraftRequest
 
 DEPTH, SPEC_FACTOR, MIN_PROB = 24, 1.0, 0.1
 

@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_smurfs.fixed_lookahead import FixedLookahead
+from vllm_smurfs.control.feedback import DraftTiming
+from vllm_smurfs.control.fixed import FixedLookahead
 from vllm_smurfs.length_controller import LengthController
-from vllm_smurfs.lookahead_types import DraftTiming
-from vllm_smurfs.trace_report import compare, format_summary, format_table, main, summarize
-from vllm_smurfs.trace_sim import (
+from vllm_smurfs.trace.report import compare, format_summary, format_table, main, summarize
+from vllm_smurfs.trace.simulator import (
     NoSpeculation,
     ReplayRequest,
     TraceFormatError,
@@ -252,7 +252,7 @@ def test_recorded_trace_replays_with_poison_and_a_prompt_heavy_step(path: Path) 
     and when a 2048-token prompt chunk shares a step (cause 1)."""
     trace = read_trace(path)
     requests = reconstruct(trace)
-    from vllm_smurfs.trace_sim import fit_pass_cost, fit_target_cost
+    from vllm_smurfs.trace.simulator import fit_pass_cost, fit_target_cost
 
     target, drafter = fit_target_cost(trace), fit_pass_cost(trace)
     assert drafter is not None
@@ -329,7 +329,7 @@ def test_summary_splits_the_time_by_mode_and_prefill(tmp_path: Path,
 
 
 def test_module_imports_no_engine() -> None:
-    import vllm_smurfs.trace_sim as mod
+    import vllm_smurfs.trace.simulator as mod
 
     tree = ast.parse(Path(mod.__file__).read_text())
     roots: set[str] = set()
@@ -342,10 +342,11 @@ def test_module_imports_no_engine() -> None:
 
 
 def test_the_runtime_does_not_import_the_simulator() -> None:
-    # The proposer writes traces (`trace`); replaying them is offline work, never the engine's.
+    # The proposer writes traces (`trace.format`); replaying them is offline work, never the
+    # engine's.
     code = ("import sys, vllm_smurfs.proposer; "
             "print(sorted(m for m in sys.modules if m.startswith('vllm_smurfs.trace')))")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env)
-    assert out.stdout.strip() == "['vllm_smurfs.trace']"
+    assert out.stdout.strip() == "['vllm_smurfs.trace', 'vllm_smurfs.trace.format']"

@@ -14,7 +14,7 @@
 Each patch records the original (see `_patching`), refuses to patch twice, and is tested in
 ``tests/unit/test_patches.py``.
 
-Not a patch of a vLLM class, but a change to what vLLM sees: `in_worker_kv` replaces
+Not a patch of a vLLM class, but a change to what vLLM sees: `drafters.in_worker_kv` replaces
 ``get_kv_cache_spec`` on the attention layer objects of an in-worker drafter (instances the
 drafter owns) whose attention is local (sliding window, chunked): they declare the full-attention
 KV cache of their shape, so vLLM keeps their blocks for the request's whole life (a lazy catch-up

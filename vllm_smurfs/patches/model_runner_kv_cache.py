@@ -1,7 +1,7 @@
 """Patch `GPUModelRunner.initialize_metadata_builders`: give in-worker drafters their attention
 groups once the KV cache is sized.
 
-Why: an in-worker drafter (`in_worker_drafter.InWorkerDrafter`, a vLLM `DraftModelProposer`)
+Why: an in-worker drafter (`drafters.in_worker.InWorkerDrafter`, a vLLM `DraftModelProposer`)
 registers its attention layers in the runner's forward context when it loads, so the runner sizes
 and allocates their KV cache beside the target's, in the target's block tables. The runner then
 calls the drafter's ``initialize_attn_backend`` for vLLM's own draft models only (``method:

@@ -23,8 +23,8 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_smurfs.patches._patching import original, replace_attribute
-from vllm_smurfs.proposer import SmurfsProposer, StepContext
-from vllm_smurfs.runner_hooks import mark_proposed, within_vocabulary
+from vllm_smurfs.proposer import SmurfsProposer
+from vllm_smurfs.runner_hooks import StepContext, mark_proposed, within_vocabulary
 
 TARGET = GPUModelRunner
 NAME = "propose_draft_token_ids"

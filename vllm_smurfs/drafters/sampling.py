@@ -111,8 +111,8 @@ def member_uniforms(count: int, generator: torch.Generator | None) -> list[float
                       device=generator.device).tolist()
 
 
-def mixture_rows(shares: Sequence[dict[int, float]], drafts: Sequence[Sequence[int]], dists: Sequence[torch.Tensor | None],
-                 out: torch.Tensor) -> None:
+def mixture_rows(shares: Sequence[dict[int, float]], drafts: Sequence[Sequence[int]],
+                 dists: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
     """Write q_j = sum_i shares[j][i] q_i(. | chain_<j) into ``out[j]`` for every position of a
     sampled chain (``out``: [>= len(shares), vocab], zeroed). ``dists[i]``: drafter i's kept
     rows [len(drafts[i]), <= vocab] (a sampling drafter), or None (a point mass on its token)."""
@@ -123,3 +123,25 @@ def mixture_rows(shares: Sequence[dict[int, float]], drafts: Sequence[Sequence[i
                 out[j, int(drafts[i][j])] += share
             else:
                 out[j, : rows.shape[1]].add_(rows[j], alpha=share)
+
+
+def chain_probs(num_rows: int, vocab: int, device: torch.device | str,
+                chains: Sequence[Sequence[int]], rows: Sequence[int],
+                shares: Sequence[Sequence[dict[int, float]] | None],
+                drafts: Sequence[Sequence[Sequence[int]]],
+                dists: Sequence[Sequence[torch.Tensor | None]]) -> torch.Tensor | None:
+    """[num_rows, longest chain, vocab] float32: what each chain position is verified against.
+    Drafted request ``i`` sits in row ``rows[i]`` with chain ``chains[i]``; a sampling request
+    (``shares[i]`` not None) gets its mixture q (`mixture_rows`), the others one-hot rows
+    (greedy requests: the verifier reads no q for them; point masses anyway). None when no
+    chain has a token."""
+    longest = max((len(chain) for chain in chains), default=0)
+    if longest == 0:
+        return None
+    out = torch.zeros((num_rows, longest, vocab), dtype=torch.float32, device=device)
+    for i, (chain, row) in enumerate(zip(chains, rows, strict=True)):
+        if shares[i] is not None:
+            mixture_rows(shares[i], drafts[i], dists[i], out[row])
+        elif chain:
+            out[row, torch.arange(len(chain)), torch.tensor(chain)] = 1.0
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_smurfs.plan import PlanRequest, expected
+from vllm_smurfs.control.plan import PlanRequest, expected
 
 # A request's catch-up beyond a normal step's (a full accepted lookahead and its bonus token) is
 # an investment in its later steps: charged spread over the steps it is expected to still run

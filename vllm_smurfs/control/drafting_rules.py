@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from vllm_smurfs.acceptance import ConfidenceCalibration
-from vllm_smurfs.plan import Plan
-from vllm_smurfs.step_costs import StepCostModel
+from vllm_smurfs.control.acceptance import ConfidenceCalibration
+from vllm_smurfs.control.plan import Plan
+from vllm_smurfs.control.step_costs import StepCostModel
 
 
 def keep_drafting(plan: Plan, active: Sequence[int], confidences: Sequence[Sequence[float]],

@@ -12,9 +12,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm_smurfs.lookahead_types import StepFeedback
-from vllm_smurfs.step_costs import isotonic_regression
-
+from vllm_smurfs.control.feedback import StepFeedback
+from vllm_smurfs.control.step_costs import isotonic_regression
 
 # Prior of the conditional acceptance at position 1 before anything was verified: the mean of a
 # uniform prior. It weighs one pseudo-observation, so the first verified drafts override it.

@@ -1,8 +1,10 @@
 """The messages between a process drafter's client (in the target's worker,
-`drafter_client.ModelDrafterClient`) and its server (`drafter_server`), defined once.
+`drafters.process_client.ModelDrafterClient`) and its server (`drafters.process_server`), defined
+once.
 
 Messages are pickled named tuples over a local socket (multiprocessing framing; the client reads
-and writes it without blocking, see `channel.Channel`); token sequences are numpy int32 arrays.
+and writes it without blocking, see `drafters.channel.Channel`); token sequences are numpy int32
+arrays.
 
 Client to server:
 

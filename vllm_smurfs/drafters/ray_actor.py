@@ -1,20 +1,20 @@
 """A model drafter as a Ray actor (``"placement": "ray"``): on another core, device or node.
 
-The actor runs what a process drafter runs (`drafter_server`: the drafter's own vLLM engine, a
-`PathDrafter` streaming each request's path, the same rounds and messages of `drafter_protocol`);
-only the transport differs. Messages travel as Ray actor calls and Ray objects: the client pushes
-each message with ``push`` (fire and forget, numbered: an async actor may run calls out of
-order, and the actor takes them in their order), and the actor yields what it has for the client
-to one ``stream`` (a Ray streaming generator: each batch reaches the client as it is made), so
-nothing in the target's step waits on a remote call (`RayChannel`, the Ray counterpart of
-`channel.Channel`). (A long poll, one ``pull`` call answered with what the actor had, left the
-client a step behind: its answer came when the call arrived, not when the next tokens did.)
+The actor runs what a process drafter runs (`drafters.process_server`: the drafter's own vLLM
+engine, a `PathDrafter` streaming each request's path, the same rounds and messages of
+`drafters.protocol`); only the transport differs. Messages travel as Ray actor calls and Ray
+objects: the client pushes each message with ``push`` (fire and forget, numbered: an async actor may
+run calls out of order, and the actor takes them in their order), and the actor yields what it has
+for the client to one ``stream`` (a Ray streaming generator: each batch reaches the client as it is
+made), so nothing in the target's step waits on a remote call (`RayChannel`, the Ray counterpart of
+`drafters.channel.Channel`). (A long poll, one ``pull`` call answered with what the actor had, left
+the client a step behind: its answer came when the call arrived, not when the next tokens did.)
 
-`RayDrafterClient` is a `drafter_client.ModelDrafterClient` with that channel: the paths, deltas,
-acknowledgements, hang detection and failure handling are the process drafter's, and the vote and
-the controller see no difference. An actor that dies (or whose node goes away) costs speculation
-only; the client names it in the log and starts a replacement, which rejoins once its engine is up
-(at most `MAX_REPLACEMENTS` times).
+`RayDrafterClient` is a `drafters.process_client.ModelDrafterClient` with that channel: the paths,
+deltas, acknowledgements, hang detection and failure handling are the process drafter's, and the
+vote and the controller see no difference. An actor that dies (or whose node goes away) costs
+speculation only; the client names it in the log and starts a replacement, which rejoins once its
+engine is up (at most `MAX_REPLACEMENTS` times).
 
 Ray comes from the ``ray`` extra and is imported only when a drafter is placed on it. If a Ray
 cluster is up (``ray.init(address="auto")`` finds it, or this process is already connected, as a
@@ -36,15 +36,14 @@ from typing import Any
 
 from vllm_smurfs import cores
 from vllm_smurfs.config import ModelDrafterConfig
-from vllm_smurfs.drafter_client import (
+from vllm_smurfs.drafters.process_client import (
     _INHERITED_ENV_PREFIXES_TO_DROP,
     _INHERITED_ENV_TO_DROP,
     MAX_MESSAGES_IN_FLIGHT,
     ModelDrafterClient,
 )
-from vllm_smurfs.drafter_protocol import Ready, Shutdown, StartFailed
-from vllm_smurfs.ray_cluster import (  # noqa: F401 - connect and disconnect used to live here
-    RAY_NAMESPACE,
+from vllm_smurfs.drafters.protocol import Ready, Shutdown, StartFailed
+from vllm_smurfs.drafters.ray_cluster import (
     connect,
     disconnect,
     placement_problem,
@@ -128,8 +127,8 @@ def _pin_process(cpus: Sequence[int]) -> None:
 
 
 class _QueueConnection:
-    """What `drafter_server.serve` reads and writes, for an actor: messages the client pushed
-    come from a queue; what the server sends waits in an outbox for the client's stream."""
+    """What `drafters.process_server.serve` reads and writes, for an actor: messages the client
+    pushed come from a queue; what the server sends waits in an outbox for the client's stream."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Event) -> None:
         self.inbox: queue.Queue[Any] = queue.Queue()
@@ -151,7 +150,7 @@ class RayDrafterActor:
     """The drafter's engine and paths inside a Ray actor (made remote by `RayDrafterClient`).
 
     Async: ``push`` and ``stream`` are served at once while the engine steps in a thread of its
-    own (the `drafter_server.serve` loop, unchanged)."""
+    own (the `drafters.process_server.serve` loop, unchanged)."""
 
     def __init__(self) -> None:
         self._conn: _QueueConnection | None = None
@@ -176,7 +175,7 @@ class RayDrafterActor:
             # The cores the client planned for it on this node, as a process drafter's; not the
             # ones it inherited from Ray's processes (which may be the target's).
             _pin_process(spec["cpus"])
-        from vllm_smurfs.drafter_server import PathDrafter, _Fault, serve, start_engine
+        from vllm_smurfs.drafters.process_server import PathDrafter, _Fault, serve, start_engine
 
         engine, answer = await asyncio.to_thread(start_engine, spec)
         if engine is None:
@@ -232,9 +231,9 @@ class RayDrafterActor:
 
 # -- the client ----------------------------------------------------------------------------------
 class RayChannel:
-    """The client's end of an actor: `channel.Channel`'s interface over Ray calls; nothing waits
-    longer than the ``timeout`` it is given. Messages go out as numbered ``push`` calls and come
-    back on one ``stream`` (a Ray streaming generator the actor yields batches to)."""
+    """The client's end of an actor: `drafters.channel.Channel`'s interface over Ray calls; nothing
+    waits longer than the ``timeout`` it is given. Messages go out as numbered ``push`` calls and
+    come back on one ``stream`` (a Ray streaming generator the actor yields batches to)."""
 
     def __init__(self, ray: Any, actor: Any) -> None:
         self._ray, self._actor = ray, actor

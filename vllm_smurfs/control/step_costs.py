@@ -13,8 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_smurfs.lookahead_types import _check_seconds
-
+from vllm_smurfs.control.feedback import _check_seconds
 
 # The target's step time is memory-bound (flat) up to some token count and compute-bound (linear)
 # beyond, with steps where kernels change tiles; a single line a + b*N fits neither end. Token

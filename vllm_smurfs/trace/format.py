@@ -15,7 +15,7 @@ Trace format: JSON lines, one object per target step, written by the proposer (`
   are used), ``k`` the draft tokens verified, ``accepted`` how many the target accepted.
 * ``drafts``: the :class:`~vllm_smurfs.length_controller.DraftTiming` of the drafter engine
   steps (streaming drafters: one position each) or calls made since the previous step. Replays
-  record at most 64 per step (:data:`vllm_smurfs.trace_sim.MAX_DRAFT_RECORDS`).
+  record at most 64 per step (:data:`vllm_smurfs.trace.simulator.MAX_DRAFT_RECORDS`).
 * ``drafting`` (optional): whether the streaming drafters drafted during the step (such a
   step may be slower: the target may lend them cores).
 * ``prompt_tokens`` (optional): of ``num_tokens``, the prompt-chunk tokens.
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_smurfs.lookahead_types import DraftTiming, StepTiming
+from vllm_smurfs.control.feedback import DraftTiming, StepTiming
 
 __all__ = ["TraceFormatError", "TraceRequest", "TraceStep", "read_trace", "write_trace"]
 

@@ -1,8 +1,9 @@
 """A model drafter's own process: one vLLM engine that keeps drafting ahead for every request.
 
-Started by `drafter_client.ModelDrafterClient` with ``python -m vllm_smurfs.drafter_server``
-(a subprocess, because vLLM workers are daemonic and may not fork children of their own). It
-connects back to the client over a local socket; the messages are defined in `drafter_protocol`.
+Started by `drafters.process_client.ModelDrafterClient` with ``python -m
+vllm_smurfs.drafters.process_server`` (a subprocess, because vLLM workers are daemonic and may not
+fork children of their own). It connects back to the client over a local socket; the messages are
+defined in `drafters.protocol`.
 
 Per request the server keeps a **path**: a context the client sent, followed by the drafter's own
 greedy continuation, streamed to the client one engine step at a time (a draft is usable as soon
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_smurfs.drafter_protocol import (
+from vllm_smurfs.drafters.protocol import (
     EXTEND,
     RESET,
     RESUME,

@@ -1,14 +1,14 @@
 """Reports on recorded traces: compare lookahead policies by replaying them, and where a recorded
 run's time went; the command line of the simulator.
 
-CLI: ``python -m vllm_smurfs.trace_report TRACE.jsonl [--concurrency 1,4,16,32]
-[--max-lookahead 8]`` (or ``python -m vllm_smurfs.trace_sim``, the same) prints a markdown table
+CLI: ``python -m vllm_smurfs.trace TRACE.jsonl [--concurrency 1,4,16,32]
+[--max-lookahead 8]`` prints a markdown table
 of the adaptive controller vs fixed k=1..max with the model drafter vs the model-free voters alone
 vs no speculation; ``--summary`` prints instead where the recorded run's time went
 (:func:`summarize`).
 
-The simulator itself is `trace_sim`; this module only formats and drives it. Pure module (stdlib
-+ numpy through `trace_sim`, no vllm/torch); the runtime never imports it.
+The simulator itself is `trace.simulator`; this module only formats and drives it. Pure module
+(stdlib + numpy through `trace.simulator`, no vllm/torch); the runtime never imports it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_smurfs.trace import TraceRequest, TraceStep, read_trace
-from vllm_smurfs.trace_sim import (
+from vllm_smurfs.trace.format import TraceRequest, TraceStep, read_trace
+from vllm_smurfs.trace.simulator import (
     PolicyFactory,
     default_policies,
     fit_pass_cost,
@@ -166,7 +166,7 @@ def _int_list(text: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_smurfs.trace_report",
+        prog="python -m vllm_smurfs.trace",
         description="Compare lookahead policies by replaying recorded traces.")
     parser.add_argument("traces", nargs="+", type=Path, help="JSON-lines trace file(s)")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32],

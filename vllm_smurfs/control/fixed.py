@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_smurfs.lookahead_types import DraftTiming, StepTiming
-from vllm_smurfs.plan import Plan, PlanRequest, RequestOutcome
+from vllm_smurfs.control.feedback import DraftTiming, StepTiming
+from vllm_smurfs.control.plan import Plan, PlanRequest, RequestOutcome
 
 __all__ = ["FixedLookahead"]
 

@@ -1,7 +1,7 @@
 """Offline trace simulator: replay the lookahead controller on a recorded trace, in seconds.
 
-The trace format: `vllm_smurfs.trace`; the reconstruction of what each drafter would draft at
-every position: `vllm_smurfs.trace_reconstruct`.
+The trace format: `vllm_smurfs.trace.format`; the reconstruction of what each drafter would draft at
+every position: `vllm_smurfs.trace.reconstruct`.
 
 Replay (:func:`replay`). Requests enter in trace order when one of ``concurrency`` slots is free
 and run to their recorded output length; a request's first step is a decode step (its prompt is
@@ -18,9 +18,9 @@ remaining tokens. Then, per request:
 
 A step costs the target's curve at its token count (one token per request plus its drafts, and
 the prompt tokens of ``prompt_steps``), fitted on the trace's steps
-(`step_costs.StepCostModel` over every recorded step), plus the in-worker drafter's forwards:
-the first over every model row's catch-up, then one per further draft position over the rows
-still going, priced on the curve fitted on the trace's ``passes``. The policy is told what it
+(`control.step_costs.StepCostModel` over every recorded step), plus the in-worker drafter's
+forwards: the first over every model row's catch-up, then one per further draft position over the
+rows still going, priced on the curve fitted on the trace's ``passes``. The policy is told what it
 would be told live: the step's timing, each forward, each request's outcome.
 
 What the replay leaves out: streaming (process and Ray) drafters, the vote among several drafts
@@ -31,26 +31,31 @@ injection for regression tests: ``poison_first_pass_s`` makes the first drafter 
 run proper take that long (a first call that built kernels); ``prompt_steps[i] = n``
 adds ``n`` prompt-chunk tokens to step ``i`` (its cost and its `StepTiming`).
 
-CLI: ``python -m vllm_smurfs.trace_sim TRACE.jsonl ...`` runs `trace_report`'s (tables of
-policies compared, ``--summary`` of a recorded run); the runtime never imports either module.
+Its command line is `trace.report`'s (``python -m vllm_smurfs.trace``: tables of policies
+compared, ``--summary`` of a recorded run); the runtime never imports either module.
 
 Pure module (stdlib + numpy, no vllm/torch).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_smurfs.fixed_lookahead import FixedLookahead
+from vllm_smurfs.control.feedback import StepTiming
+from vllm_smurfs.control.fixed import FixedLookahead
+from vllm_smurfs.control.plan import DrafterOutcome, Plan, PlanRequest, RequestOutcome
+from vllm_smurfs.control.step_costs import StepCostModel
 from vllm_smurfs.length_controller import LengthController
-from vllm_smurfs.lookahead_types import StepTiming
-from vllm_smurfs.plan import DrafterOutcome, Plan, PlanRequest, RequestOutcome
-from vllm_smurfs.step_costs import StepCostModel
-from vllm_smurfs.trace import TraceFormatError, TraceRequest, TraceStep, read_trace, write_trace
-from vllm_smurfs.trace_reconstruct import ReplayRequest, acc_from_agreement, reconstruct
+from vllm_smurfs.trace.format import (
+    TraceFormatError,
+    TraceRequest,
+    TraceStep,
+    read_trace,
+    write_trace,
+)
+from vllm_smurfs.trace.reconstruct import ReplayRequest, acc_from_agreement, reconstruct
 
 __all__ = [
     "NoSpeculation",
@@ -268,14 +273,3 @@ def default_policies(max_lookahead: int, models: bool = True) -> dict[str, Polic
             out[f"k={k}"] = lambda k=k: FixedLookahead(k, 1)
         out["adaptive"] = lambda: LengthController(max_lookahead, 1)
     return out
-
-
-def _cli() -> int:
-    from vllm_smurfs.trace_report import main
-
-    return main()
-
-
-if __name__ == "__main__":
-    sys.exit(_cli())
-

@@ -1,14 +1,14 @@
-"""The target's end of a process drafter (`drafter_server`): `ModelDrafterClient` starts the
-drafter's process, mirrors its paths (a request's text followed by the drafter's own continuation,
-streamed one engine step at a time), tells it where each request's text goes (`track`), pauses it,
-and leaves it out when it fails. Nothing here waits on the drafter's socket (`channel.Channel`);
-the messages are `drafter_protocol`'s.
+"""The target's end of a process drafter (`drafters.process_server`): `ModelDrafterClient` starts
+the drafter's process, mirrors its paths (a request's text followed by the drafter's own
+continuation, streamed one engine step at a time), tells it where each request's text goes
+(`track`), pauses it, and leaves it out when it fails. Nothing here waits on the drafter's socket
+(`drafters.channel.Channel`); the messages are `drafters.protocol`'s.
 """
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from vllm_smurfs import cores
-from vllm_smurfs.channel import Channel
 from vllm_smurfs.config import ModelDrafterConfig
-from vllm_smurfs.drafter_protocol import (
+from vllm_smurfs.drafters.channel import Channel
+from vllm_smurfs.drafters.protocol import (
     EXTEND,
     RESET,
     RESUME,
@@ -59,8 +59,8 @@ _INHERITED_ENV_PREFIXES_TO_DROP = ("KMP_", "OMP_", "GOMP_")
 # Messages a drafter may leave unacknowledged before it is not sent more tracks: the server
 # acknowledges everything it took with each round (one engine step), and a step sends at most
 # two, so a healthy drafter stays at 1-2. (Sends never block the target whatever the drafter
-# does: see `channel.Channel`; this bound keeps a drafter that is behind from being fed work it
-# cannot do.)
+# does: see `drafters.channel.Channel`; this bound keeps a drafter that is behind from being fed
+# work it cannot do.)
 MAX_MESSAGES_IN_FLIGHT = 4
 # Bytes the socket has not taken yet beyond which a message is not queued (a stalled drafter's
 # socket fills; tracks then skip it until it drains). Tracks send what changed of each request's
@@ -186,7 +186,7 @@ class ModelDrafterClient:
         env = _drafter_env(self.num_threads)
         env["SMURFS_DRAFTER_AUTHKEY"] = authkey.hex()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_smurfs.drafter_server", address,
+            [sys.executable, "-m", "vllm_smurfs.drafters.process_server", address,
              json.dumps(self._engine_spec)],
             env=env,
         )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_smurfs.trace import TraceRequest, TraceStep
+from vllm_smurfs.trace.format import TraceRequest, TraceStep
 
 __all__ = ["ReplayRequest", "acc_from_agreement", "reconstruct"]
 

@@ -19,9 +19,9 @@ request's draft at any position, from the drafter's confidence.
 
 A lazy catch-up writes old positions, so the drafter's KV cache must live as long as the
 request: local-attention layers (sliding window, chunked) keep a full-attention cache
-(`in_worker_kv`; vLLM's sliding-window manager would free those blocks and hand them to other
-requests while the runner's block table still names them), and kinds no such cache can stand for
-are refused. Like vLLM's own drafter, a draft costs no host sync per forward (`draft`).
+(`drafters.in_worker_kv`; vLLM's sliding-window manager would free those blocks and hand them to
+other requests while the runner's block table still names them), and kinds no such cache can stand
+for are refused. Like vLLM's own drafter, a draft costs no host sync per forward (`draft`).
 
 Lossless by construction: drafts are only proposals, which the target's rejection sampler
 verifies, and only ids the target has a row for; a drafter's KV cache is its own (the target's
@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from vllm.config import SpeculativeConfig, VllmConfig, get_layers_from_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -52,9 +51,9 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_smurfs.config import ModelDrafterConfig
-from vllm_smurfs.draft_sampling import RowSampling, sample_draft_rows
-from vllm_smurfs.drafter_client import DrafterHealth
-from vllm_smurfs.in_worker_kv import keep_kv_for_request_lifetime
+from vllm_smurfs.drafters.in_worker_kv import keep_kv_for_request_lifetime
+from vllm_smurfs.drafters.process_client import DrafterHealth
+from vllm_smurfs.drafters.sampling import RowSampling, sample_draft_rows
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +154,8 @@ class InWorkerDrafter(DraftModelProposer):
         self.health = DrafterHealth(self.name)
         # Per request: positions whose KV this drafter has computed for the request's text.
         self._synced: dict[str, int] = {}
-        # Fault injection for the fault tests (as for process drafters, see drafter_server):
+        # Fault injection for the fault tests (as for process drafters, see
+        # drafters.process_server):
         # SMURFS_DRAFTER_FAULT=NAME=raise_after:N makes drafter NAME fail its N+1-th step
         # (device_assert_after:N: with CUDA's device-side assert message, which is fatal);
         # NAME=stall_first:SECONDS makes its first forward after start-up take SECONDS longer
