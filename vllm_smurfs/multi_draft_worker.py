@@ -245,35 +245,6 @@ class DrafterPool:
             for drafter in missing:
                 drafter.poll(min(left, _WAIT_SLICE_S) / len(missing))
 
-    def collect_streamed(self, requests: Sequence[DraftRequest], drafts: list[list[list[int]]],
-                         rows: Sequence[int], lookaheads: Sequence[int], in_hand: bool,
-                         wait_s: Callable[[list[tuple[int, int]], float], float]) -> float:
-        """The process drafters' drafts for ``requests[rows]`` at ``lookaheads[row]``, written
-        into ``drafts``: pipelined, what is ready (after waiting one drafter step at a time while
-        ``wait_s(late rows and their tokens ready, seconds left)`` says so, within
-        draft_wait_s); synchronous, exactly the lookaheads, waited for (draft_timeout_s).
-        Returns the seconds waited."""
-        started = time.perf_counter()
-        wanted = [replace(requests[i], k=lookaheads[i]) for i in rows]
-        if self.config.pipeline:
-            if not in_hand:
-                return 0.0  # just switched on: they start drafting while the target verifies
-            chosen = [j for j, r in enumerate(wanted) if r.k > 0]
-            while (late := self.late([wanted[j] for j in chosen])):
-                left = self.config.draft_wait_s - (time.perf_counter() - started)
-                seconds = wait_s([(rows[chosen[j]], ready) for j, ready in late], max(0.0, left))
-                if seconds <= 0:
-                    break
-                self.wait([wanted[chosen[j]] for j, _ in late], seconds)
-        else:
-            self.track(wanted, [[] for _ in wanted], [r.k for r in wanted])
-            self.wait(wanted, self.config.draft_timeout_s)
-        ready = self.ready(wanted, True, [drafts[i] for i in rows])
-        for i, new in zip(rows, ready, strict=True):
-            for d in self.model_indices:
-                drafts[i][d] = new[d]
-        return time.perf_counter() - started
-
     @staticmethod
     def _missing(drafter: ModelDrafterClient, requests: Sequence[DraftRequest]) -> bool:
         return any(len(drafter.draft_for(r.req_id, r.context, r.k)) < r.k
@@ -311,6 +282,37 @@ class DrafterPool:
             finalizer()
         else:
             _close_all(self.elastic, self.model_drafters)
+
+
+def collect_streamed(pool: DrafterPool, config: SmurfsConfig, requests: Sequence[DraftRequest],
+                     drafts: list[list[list[int]]], rows: Sequence[int], lookaheads: Sequence[int],
+                     in_hand: bool, wait_s: Callable[[list[tuple[int, int]], float], float]
+                     ) -> float:
+    """The process drafters' drafts for ``requests[rows]`` at ``lookaheads[row]``, written into
+    ``drafts``: pipelined, what is ready (after waiting one drafter step at a time while
+    ``wait_s(late rows and their tokens ready, seconds left)`` says so, within
+    ``config.draft_wait_s``); synchronous, exactly the lookaheads, waited for
+    (``config.draft_timeout_s``). Returns the seconds waited."""
+    started = time.perf_counter()
+    wanted = [replace(requests[i], k=lookaheads[i]) for i in rows]
+    if config.pipeline:
+        if not in_hand:
+            return 0.0  # just switched on: they start drafting while the target verifies
+        chosen = [j for j, r in enumerate(wanted) if r.k > 0]
+        while (late := pool.late([wanted[j] for j in chosen])):
+            left = config.draft_wait_s - (time.perf_counter() - started)
+            seconds = wait_s([(rows[chosen[j]], ready) for j, ready in late], max(0.0, left))
+            if seconds <= 0:
+                break
+            pool.wait([wanted[chosen[j]] for j, _ in late], seconds)
+    else:
+        pool.track(wanted, [[] for _ in wanted], [r.k for r in wanted])
+        pool.wait(wanted, config.draft_timeout_s)
+    ready = pool.ready(wanted, True, [drafts[i] for i in rows])
+    for i, new in zip(rows, ready, strict=True):
+        for d in pool.model_indices:
+            drafts[i][d] = new[d]
+    return time.perf_counter() - started
 
 
 def _close_all(elastic: ElasticThreads, drafters: Sequence[ModelDrafterClient]) -> None:

@@ -37,7 +37,7 @@ from vllm_smurfs.control.plan import PlanRequest, RequestOutcome
 from vllm_smurfs.drafters.sampling import RowSampling, chain_probs, member_uniforms
 from vllm_smurfs.length_controller import LengthController
 from vllm_smurfs.metrics import DrafterStats, SmurfsStats
-from vllm_smurfs.multi_draft_worker import DrafterPool, DraftRequest
+from vllm_smurfs.multi_draft_worker import DrafterPool, DraftRequest, collect_streamed
 from vllm_smurfs.runner_hooks import StepContext, remaining_tokens
 from vllm_smurfs.step_outcomes import RequestState, learn, per_request_entries, trace_requests
 from vllm_smurfs.trace.format import TraceStep
@@ -324,9 +324,9 @@ class SmurfsProposer:
 
         waited_s = 0.0
         if external_rows:
-            waited_s = worker.collect_streamed(
-                requests, drafts, sorted(external_rows), plan.lookaheads, in_hand,
-                lambda late, left: self.controller.wait_s(plan, late, left))
+            waited_s = collect_streamed(
+                worker, self.config, requests, drafts, sorted(external_rows), plan.lookaheads,
+                in_hand, lambda late, left: self.controller.wait_s(plan, late, left))
             self.stats.wait_s += waited_s
         forwards_s = 0.0
         confidences: list[list[list[float]]] = [[[] for _ in drafters] for _ in range(n)]
