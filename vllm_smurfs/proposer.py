@@ -140,7 +140,6 @@ class SmurfsProposer:
         self._last_req_ids: frozenset[str] = frozenset()
         self._plan_record: dict[str, Any] | None = None  # the last plan, for the trace
         self._warmed = False  # the in-worker drafters' forwards ran their shapes once
-        self._warm_up_s = 0.0  # the seconds that took
         # [num_reqs, max chain, vocab] q of the last step's chains, when a request samples.
         self._draft_probs: Any = None
 
@@ -185,21 +184,17 @@ class SmurfsProposer:
             if drafter.health.alive:
                 drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)
 
-    def warm_up(self) -> float:
+    def _warm_up(self) -> float:
         """Run each in-worker drafter's forward shapes twice (their first calls build kernels;
         the second calls are the controller's first cost measurements); the seconds it took.
-        Once, after the runner has bound the drafters' KV cache: at start-up
-        (patches.model_runner_warm_up), or else at the first `propose`."""
-        if self._warmed:
-            return 0.0
+        Done at the first `propose`, once the runner has bound the drafters' KV cache."""
         started = time.perf_counter()
         for j, drafter in enumerate(self.in_worker_drafters):
             if drafter.health.alive:
                 for p in drafter.warm_up(self.num_speculative_tokens):
                     self.controller.observe_pass(j, p.num_tokens, p.seconds)
         self._warmed = True
-        self._warm_up_s = time.perf_counter() - started
-        return self._warm_up_s
+        return time.perf_counter() - started
 
     @property
     def draft_attn_groups(self) -> list[Any]:
@@ -222,7 +217,7 @@ class SmurfsProposer:
         if not self.owns_drafters:
             return [[] for _ in sampled_token_ids]  # the engine takes the drafting rank's drafts
         if not self._warmed:
-            called += self.warm_up()  # one-off: not the proposer's time per step
+            called += self._warm_up()  # one-off: not the proposer's time per step
         if step is None or len(step.req_ids) != len(sampled_token_ids):
             raise RuntimeError(
                 "SmurfsProposer was called without its step context: the vllm_smurfs patch of "
@@ -508,8 +503,6 @@ class SmurfsProposer:
             if "replacements" in health.extra:  # a Ray drafter: actors started after its first
                 entry["replacements"] = health.extra["replacements"]
         out["controller"] = self.controller.snapshot()
-        # Once, not a counter: at start-up (patches.model_runner_warm_up), else in the first step.
-        out["warm_up_s"] = round(self._warm_up_s, 4)
         return out
 
     def _maybe_log(self) -> None:

@@ -26,7 +26,6 @@ def test_register_is_idempotent_and_patches_targets():
     assert _patching.is_patched(GPUModelRunner, "propose_draft_token_ids")
     assert _patching.is_patched(GPUModelRunner, "execute_model")
     assert _patching.is_patched(GPUModelRunner, "initialize_metadata_builders")
-    assert _patching.is_patched(GPUModelRunner, "initialize_kv_cache")
     assert _patching.is_patched(rejection_sampler, "expand_batch_to_tokens")  # CPU machine
     assert _patching.is_patched(rejection_sampler, "apply_sampling_constraints")
 
@@ -159,46 +158,3 @@ def test_our_log_records_go_where_vllms_do():
     finally:
         vllm_logger.removeHandler(collector)
     assert [r.getMessage() for r in seen] == ["Smurfs drafters: {}"]
-
-
-def test_the_in_worker_drafters_warm_up_at_start_up_not_in_the_first_request(family):
-    """The warm-up patch: once the engine is up, before any request, the in-worker drafter's
-    shapes have run (their seconds counted, the controller's cost curve seeded); the first
-    request's step does not run them again. Also pins vLLM's signature the patch calls."""
-    import inspect
-    import json
-    import subprocess
-    import sys
-    import textwrap
-
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from vllm_smurfs import plugin
-    from vllm_smurfs.patches import _patching
-
-    plugin.register()
-    original = _patching.original(GPUModelRunner, "initialize_kv_cache")
-    assert list(inspect.signature(original).parameters)[:3] == [
-        "self", "kv_cache_config", "is_profiling"]
-    script = textwrap.dedent(r'''
-        import json, os, sys
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM, SamplingParams
-        from vllm_smurfs.metrics import get_smurfs_stats
-        target, draft = sys.argv[1:3]
-        llm = LLM(model=target, dtype="float32", max_model_len=256, enforce_eager=True,
-                  speculative_config={"method": "smurfs", "num_speculative_tokens": 3,
-                                      "drafters": [{"model": draft}, {"method": "ngram"}]})
-        before = get_smurfs_stats(llm)
-        llm.generate(["the river runs to the sea"], SamplingParams(max_tokens=16))
-        after = get_smurfs_stats(llm)
-        print("STATS " + json.dumps({"before": before, "after": after}))
-    ''')
-    proc = subprocess.run([sys.executable, "-c", script, family.target, family.drafts[0]],
-                          capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("STATS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    stats = json.loads(lines[0].removeprefix("STATS "))
-    before, after = stats["before"], stats["after"]
-    assert before["steps"] == 0 and before["warm_up_s"] > 0
-    assert after["steps"] > 0 and after["warm_up_s"] == before["warm_up_s"]
