@@ -391,7 +391,6 @@ class SmurfsProposer:
                     self.stats.request_steps_without_models_free_chain += 1
                 else:
                     self.stats.request_steps_without_models_no_chain += 1
-            state.with_free = free_lens[i] > 0
             state.confidences = [[] for _ in worker.names]
             for j, d in enumerate(in_worker):
                 state.confidences[d] = confidences[i][j]

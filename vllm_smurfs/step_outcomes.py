@@ -27,7 +27,6 @@ class RequestState:
     voted: list[int] | None = None  # the chain sent to the target last step
     free_chain: list[int] | None = None  # the model-free voters' own chain
     models: bool = False  # model drafts (in-worker or streamed) were in its vote
-    with_free: bool = False  # a model-free chain was in hand when it was planned
     # Each in-worker drafter's probability of each of its draft tokens (empty for the others).
     confidences: list[list[float]] | None = None
     # The mixture's member shares per chain position (a request that samples), else None.
@@ -81,8 +80,8 @@ def learn(states: Mapping[str, RequestState], req_ids: Sequence[str],
                     if draft else None)
         outcomes.append(RequestOutcome(
             req_id, free=free, voted=(len(verified), accepted) if verified else None,
-            models=state.models, with_free=state.with_free, drafters=tuple(own),
-            band=state.band))
+            models=state.models, drafters=tuple(own), band=state.band,
+            with_free=bool(state.free_chain)))  # a model-free chain was in hand when planned
         state.drop_pending()
     for drafter_stats, weight in zip(stats.drafters, global_weights.weights, strict=True):
         drafter_stats.weight = weight
