@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 import json
 import os
 import subprocess
@@ -69,14 +70,22 @@ def default_config(family: TinyFamily, **extra) -> dict:
 NEAR_TIE_GAP = 0.03
 
 
+@functools.lru_cache(maxsize=2)
+def _float32_target(target: str) -> tuple[Any, Any]:
+    """The target's tokenizer and model in float32 with transformers (loaded once per path)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoTokenizer.from_pretrained(target),
+            AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32))
+
+
 def top_two_gap(target: str, prompt: str, prefix: list[int]) -> tuple[float, list[int]]:
     """The gap between the target's two best logits after ``prompt`` and ``prefix`` (output
     tokens), in float32 with transformers, and those two tokens."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    tokenizer, model = _float32_target(target)
     ids = torch.tensor([tokenizer(prompt)["input_ids"] + list(prefix)])
     with torch.no_grad():
         top = torch.topk(model(ids).logits[0, -1], 2)

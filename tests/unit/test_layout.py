@@ -15,17 +15,8 @@ DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
         *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def _module_file(dotted: str) -> Path | None:
-    """The file of module ``vllm_smurfs...`` (a package's __init__), or None."""
-    path = ROOT.joinpath(*dotted.split("."))
-    if path.with_suffix(".py").is_file():
-        return path.with_suffix(".py")
-    if (path / "__init__.py").is_file():
-        return path / "__init__.py"
-    return None
-
-
 def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its __init__'s file)."""
     out = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
@@ -97,23 +88,20 @@ def _doc_references() -> list[tuple[str, str]]:
 def test_the_docs_know_the_layout() -> None:
     refs = _doc_references()
     assert len(refs) > 5  # the docs do point into the package
+    modules = _modules()
     missing = []
     for doc, ref in refs:
         if ref.endswith(".py"):
             ok = (ROOT / ref).is_file()
         elif ":" in ref:  # from module import name
             module, name = ref.split(":")
-            path = _module_file(module)
-            ok = path is not None and (name in _top_level_names(path)
-                                       or _module_file(f"{module}.{name}") is not None)
-        else:  # a module, or a module's name
-            path = _module_file(ref)
-            if path is None and "." in ref:
-                module, name = ref.rsplit(".", 1)
-                path = _module_file(module)
-                ok = path is not None and name in _top_level_names(path)
-            else:
-                ok = path is not None
+            ok = module in modules and (name in _top_level_names(modules[module])
+                                        or f"{module}.{name}" in modules)
+        elif ref in modules:  # a module
+            ok = True
+        else:  # a module's name
+            module, _, name = ref.rpartition(".")
+            ok = module in modules and name in _top_level_names(modules[module])
         if not ok:
             missing.append(f"{doc}: {ref}")
     assert not missing, "the docs point at what does not exist: " + ", ".join(missing)
