@@ -44,6 +44,7 @@ from vllm_smurfs.trace.format import TraceStep
 from vllm_smurfs.vote_sampler import (
     DrafterWeights,
     WeightUpdateRule,
+    mixture_members,
     pick_mixture_chain,
     weighted_prefix_vote,
 )
@@ -378,7 +379,8 @@ class SmurfsProposer:
             if k == 0:
                 chain = []
             elif sampling is not None and sampling.sampled[i]:
-                chain = self._mixture(request.req_id, rows[i], k, per, proposals,
+                chain = self._mixture(request.req_id, rows[i], k, per,
+                                      [q is not None for q in dists[i]], proposals,
                                       sampling.generators.get(i))
             else:
                 chain = self._vote(request.req_id, rows[i], k, per, proposals)
@@ -421,13 +423,16 @@ class SmurfsProposer:
         return vote.tokens
 
     def _mixture(self, req_id: str, row: int, k: int, per_drafter: list[list[int]],
-                 proposals: list[list[int]], generator: Any) -> list[int]:
-        """A sampling request's chain: the mixture rule (`vote_sampler.pick_mixture_chain`)."""
+                 sampled: list[bool], proposals: list[list[int]], generator: Any) -> list[int]:
+        """A sampling request's chain: the mixture rule (`vote_sampler.pick_mixture_chain`) over
+        its members (`vote_sampler.mixture_members`: the drafters that sampled, where one
+        drafted; ``sampled[d]``: drafter d kept its distribution)."""
         state = self._state(req_id)
-        longest = min(k, max((len(d) for d in per_drafter), default=0))
+        members = mixture_members(per_drafter, sampled)
+        longest = min(k, max((len(d) for d in members), default=0))
         # Shares fixed before the tokens are seen: any function of the weights is lossless.
         shares = [w ** self.mixture_sharpness for w in state.weights.weights]
-        picked = pick_mixture_chain(per_drafter, shares, k, member_uniforms(longest, generator))
+        picked = pick_mixture_chain(members, shares, k, member_uniforms(longest, generator))
         state.drafts, state.voted, state.shares = per_drafter, picked.tokens, picked.shares
         proposals[row] = picked.tokens
         if picked.tokens:

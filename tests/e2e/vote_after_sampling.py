@@ -14,7 +14,7 @@ from vllm_smurfs.proposer import SmurfsProposer
 from vllm_smurfs.vote_sampler import weighted_prefix_vote
 
 
-def _vote_then_winners_q(self, req_id, row, k, per_drafter, proposals, generator):
+def _vote_then_winners_q(self, req_id, row, k, per_drafter, sampled, proposals, generator):
     state = self._state(req_id)
     vote = weighted_prefix_vote(per_drafter, state.weights.weights, max_len=k)
     state.drafts, state.voted = per_drafter, vote.tokens

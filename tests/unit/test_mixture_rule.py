@@ -12,7 +12,12 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from vllm_smurfs.vote_sampler import mixture_step, sample_mixture_chain
+from vllm_smurfs.vote_sampler import (
+    mixture_members,
+    mixture_step,
+    pick_mixture_chain,
+    sample_mixture_chain,
+)
 
 V = 3  # vocabulary
 K = 2  # lookahead
@@ -45,9 +50,10 @@ def _drafts(model: Model) -> list[tuple[list[int], float, list[np.ndarray]]]:
 
 
 def output_law(target: Model, models: list[Model], voter: list[int], weights: list[float],
-               control: bool = False) -> dict[tuple[int, ...], float]:
+               control: bool = False, members: bool = False) -> dict[tuple[int, ...], float]:
     """Exact law of the first L output tokens: every drafter sample, every member pick, every
-    accept/reject outcome and residual token, then the target's own tokens past the step."""
+    accept/reject outcome and residual token, then the target's own tokens past the step.
+    ``members``: the drafts pass through `mixture_members` first (the engine's rule)."""
     law: dict[tuple[int, ...], float] = defaultdict(float)
 
     def finish(out: list[int], prob: float) -> None:
@@ -85,6 +91,8 @@ def output_law(target: Model, models: list[Model], voter: list[int], weights: li
     for combo in itertools.product(*[_drafts(m) for m in models]):
         drafts = [c[0] for c in combo] + [voter]
         dists = [c[2] for c in combo] + [None]
+        if members:
+            drafts = mixture_members(drafts, [d is not None for d in dists])
         explore(drafts, dists, [], float(np.prod([c[1] for c in combo])))
     return law
 
@@ -106,6 +114,30 @@ def test_the_mixture_rule_keeps_the_targets_distribution_exactly(seed):
                      weights=[1.0, 2.5, 0.7])
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
     assert _tv(law, target_law(target)) < 1e-12
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_leaving_the_point_masses_out_where_a_model_sampled_keeps_the_distribution(seed):
+    target = Model(100 + seed)
+    drafters = [Model(200 + seed, 0.5), Model(300 + seed, 2.0)]
+    law = output_law(target, drafters, voter=[seed % V, (seed + 1) % V],
+                     weights=[1.0, 2.5, 0.7], members=True)
+    assert _tv(law, target_law(target)) < 1e-12
+
+
+def test_mixture_members_leave_point_masses_out_only_where_a_sampling_drafter_drafted():
+    voter, model = [4, 5], [7, 8, 9]
+    # The model sampled a draft: the voter's point mass leaves the mixture.
+    assert mixture_members([model, voter], [True, False]) == [model, []]
+    # The model did not draft for the request: the voter's chain is the mixture.
+    assert mixture_members([[], voter], [True, False]) == [[], voter]
+    # Only deterministic drafters (greedy process drafters, voters): all stay.
+    assert mixture_members([model, voter], [False, False]) == [model, voter]
+    chain = pick_mixture_chain(mixture_members([model, voter], [True, False]), [0.1, 20.0], 3,
+                               [0.99, 0.99, 0.99])
+    assert chain.tokens == model and chain.shares == [{0: 1.0}] * 3
+    with pytest.raises(ValueError, match="sampled has 1 entries but there are 2 drafts"):
+        mixture_members([model, voter], [True])
 
 
 @pytest.mark.parametrize("seed", range(4))
