@@ -45,7 +45,7 @@ from vllm_smurfs.vote_sampler import (
     DrafterWeights,
     WeightUpdateRule,
     mixture_members,
-    pick_mixture_chain,
+    sampled_chain,
     weighted_prefix_vote,
 )
 
@@ -424,15 +424,16 @@ class SmurfsProposer:
 
     def _mixture(self, req_id: str, row: int, k: int, per_drafter: list[list[int]],
                  sampled: list[bool], proposals: list[list[int]], generator: Any) -> list[int]:
-        """A sampling request's chain: the mixture rule (`vote_sampler.pick_mixture_chain`) over
-        its members (`vote_sampler.mixture_members`: the drafters that sampled, where one
-        drafted; ``sampled[d]``: drafter d kept its distribution)."""
+        """A sampling request's chain (`vote_sampler.sampled_chain`): the mixture rule over the
+        drafters that sampled, where one drafted (``sampled[d]``: drafter d kept its
+        distribution); else the vote over the point masses."""
         state = self._state(req_id)
-        members = mixture_members(per_drafter, sampled)
-        longest = min(k, max((len(d) for d in members), default=0))
+        longest = min(k, max((len(d) for d in mixture_members(per_drafter, sampled)),
+                             default=0))
         # Shares fixed before the tokens are seen: any function of the weights is lossless.
         shares = [w ** self.mixture_sharpness for w in state.weights.weights]
-        picked = pick_mixture_chain(members, shares, k, member_uniforms(longest, generator))
+        picked = sampled_chain(per_drafter, sampled, shares, k,
+                               member_uniforms(longest, generator))
         state.drafts, state.voted, state.shares = per_drafter, picked.tokens, picked.shares
         proposals[row] = picked.tokens
         if picked.tokens:

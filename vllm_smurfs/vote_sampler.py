@@ -38,6 +38,7 @@ __all__ = [
     "mixture_step",
     "pick_mixture_chain",
     "sample_mixture_chain",
+    "sampled_chain",
     "score_draft",
     "weighted_prefix_vote",
 ]
@@ -339,6 +340,15 @@ class DrafterWeights:
 # p(x) only, and its share of q_j lowers min(1, p/q_j) for the model's tokens too. Whether the
 # model drafted is settled by the plan before any token is drawn, so the derivation above holds
 # unchanged; the controller chooses between the model's chain and the model-free chain alone.
+#
+# Where only point masses draft (no sampling drafter drafted for the request), nothing is drawn:
+# every member's token is a function of the text so far, and so are the weights (of the scores
+# of earlier, emitted steps). The chain may then be any function of them, verified as a point
+# mass on its own tokens: the heaviest path of the vote (`sampled_chain`), as for a greedy
+# request; speculative sampling against q = one-hot(x_j) accepts x_j with probability p(x_j) and
+# otherwise emits from p without x_j, renormalised: the target's law. The mixture would instead
+# accept sum over distinct tokens of min(share, p): with the n-gram voter right (p = 0.8) and the
+# suffix voter wrong at equal shares, 0.5 where the vote, following the weights, gets 0.8.
 
 
 def mixture_shares(drafts: Sequence[Sequence[int]], weights: Sequence[float],
@@ -400,6 +410,20 @@ def pick_mixture_chain(drafts: Sequence[Sequence[int]], weights: Sequence[float]
         tokens.append(int(drafts[picked][len(tokens)]))
         shares.append(members)
     return MixtureChain(tokens, shares)
+
+
+def sampled_chain(drafts: Sequence[Sequence[int]], sampled: Sequence[bool],
+                  weights: Sequence[float], max_len: int,
+                  uniforms: Sequence[float]) -> MixtureChain:
+    """A sampling request's chain (see above): where a drafter that sampled has drafted, the
+    mixture rule over the sampling drafters (`mixture_members`, `pick_mixture_chain` with
+    ``uniforms``); else the vote over the point masses, each position verified as a point mass
+    on its token (shares ``{winner: 1.0}``; no uniform is used)."""
+    members = mixture_members(drafts, sampled)
+    if any(s and len(d) > 0 for d, s in zip(members, sampled, strict=True)):
+        return pick_mixture_chain(members, weights, max_len, uniforms)
+    vote = weighted_prefix_vote(drafts, weights, max_len=max_len)
+    return MixtureChain(vote.tokens, [{vote.winner: 1.0} for _ in vote.tokens])
 
 
 @dataclass(frozen=True)

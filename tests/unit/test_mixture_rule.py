@@ -17,6 +17,7 @@ from vllm_smurfs.vote_sampler import (
     mixture_step,
     pick_mixture_chain,
     sample_mixture_chain,
+    sampled_chain,
 )
 
 V = 3  # vocabulary
@@ -138,6 +139,55 @@ def test_mixture_members_leave_point_masses_out_only_where_a_sampling_drafter_dr
     assert chain.tokens == model and chain.shares == [{0: 1.0}] * 3
     with pytest.raises(ValueError, match="sampled has 1 entries but there are 2 drafts"):
         mixture_members([model, voter], [True])
+
+
+def point_mass_law(target: Model, chain: list[int]) -> dict[tuple[int, ...], float]:
+    """Exact output law when ``chain`` (a function of the text: no draw) is verified as a point
+    mass on its tokens: x_j accepted with probability p(x_j), else a token from p without x_j."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def finish(out: list[int], prob: float) -> None:
+        if len(out) >= L:
+            law[tuple(out[:L])] += prob
+            return
+        for y, py in enumerate(target(out)):
+            finish(out + [y], prob * py)
+
+    out: list[int] = []
+    prob = 1.0
+    for x in chain:
+        p = target(out)
+        residual = p.copy()
+        residual[x] = 0.0
+        if p[x] < 1.0:
+            for y, ry in enumerate(residual / residual.sum()):
+                if ry:
+                    finish(out + [y], prob * (1.0 - p[x]) * ry)
+        out, prob = out + [x], prob * p[x]
+    finish(out, prob)
+    return law
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_point_masses_alone_take_the_vote_verified_as_a_point_mass_losslessly(seed):
+    target = Model(100 + seed)
+    drafts = [[seed % V, (seed + 1) % V], [(seed + 2) % V, seed % V], [seed % V, (seed + 2) % V]]
+    weights = [1.0, 2.5, 0.7]
+    picked = sampled_chain(drafts, [False] * 3, weights, K, [0.0, 0.0])
+    # The heaviest path (drafter 1 outweighs 0 and 2 together), whatever the uniforms.
+    assert picked.tokens == drafts[1]
+    assert sampled_chain(drafts, [False] * 3, weights, K, [0.99, 0.99]) == picked
+    assert picked.shares == [{1: 1.0}] * K  # q: a point mass on the chain's own tokens
+    assert _tv(point_mass_law(target, picked.tokens), target_law(target)) < 1e-12
+
+
+def test_a_sampling_drafter_that_drafted_takes_the_mixture_over_the_sampling_drafters():
+    drafts = [[0, 1], [2, 2], [1, 0]]  # drafter 0 sampled; 1 and 2 are point masses
+    picked = sampled_chain(drafts, [True, False, False], [0.1, 5.0, 5.0], K, [0.99, 0.99])
+    assert picked.tokens == [0, 1] and picked.shares == [{0: 1.0}] * K
+    # Drafter 0 drafted nothing for this request: the vote over the point masses.
+    picked = sampled_chain([[], [2, 2], [1, 0]], [True, False, False], [0.1, 5.0, 5.0], K, [])
+    assert picked.tokens == [2, 2] and picked.shares == [{1: 1.0}] * K
 
 
 @pytest.mark.parametrize("seed", range(4))
