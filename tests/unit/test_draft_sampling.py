@@ -158,3 +158,20 @@ def test_acceptance_is_learnt_per_temperature_band():
     assert greedy.lookaheads[0] > hot.lookaheads[0]
     assert hot.bands == [3]
     assert 3 in c.snapshot()["bands"]
+
+
+def test_a_sampling_band_learns_model_drafts_in_one_context_with_a_free_chain_or_not():
+    # A sampling request's model chain leaves the model-free chain out (mixture_members), so a
+    # free chain in hand is no context for its acceptance there; for greedy requests it is.
+    c = LengthController(4, 1)
+    for band in (0, 2):
+        c.observe([RequestOutcome(f"r{band}-{i}", voted=(4, 0), models=True, with_free=True,
+                                  band=band) for i in range(20)])
+    assert c.band(0).models[True].global_acceptance()[0] < 0.1  # greedy: its own context
+    assert c.band(0).models[False].global_trials()[0] == 0.0
+    assert c.band(2).models[True].global_trials()[0] == 0.0  # sampling: the one context
+    assert c.band(2).models[False].global_acceptance()[0] < 0.1
+    # ... which plans read for a request with a free chain in hand as well.
+    with_chain = PlanRequest("new", 100, 4096, free_len=3, catch_up=(3,), band=2)
+    assert c._models_acceptance(with_chain) is c.band(2).models[False]
+    assert "acceptance_models_with_free" not in c.snapshot()["bands"][2]
