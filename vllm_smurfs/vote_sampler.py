@@ -7,10 +7,10 @@ and the voted chain is the heaviest root-to-leaf path. After the target has veri
 every drafter is scored on how much of *its own* draft the target agreed with, and its weight is
 updated multiplicatively, so drafters that are right on the current text gain influence.
 
-For sampled drafts (temperature > 0) the vote cannot pick a token after seeing it; the mixture
-rule at the end of this module (`mixture_step`, derivation above it) picks a drafter by weight at
-each position and verifies against the weighted mixture of the drafters still on the chain
-(proven lossless by exact enumeration in the tests). The proposer picks sampling requests'
+For sampled drafts (temperature > 0) the vote cannot pick a sampled token after seeing it; the
+mixture rule at the end of this module (`mixture_step`, derivation above it) picks a drafter by
+weight at each position and verifies against the weighted mixture of the drafters still on the
+chain (proven lossless by exact enumeration in the tests). The proposer picks sampling requests'
 chains with it; `drafters.sampling` builds the mixture q that vLLM's rejection sampler verifies
 against.
 
@@ -368,11 +368,15 @@ def mixture_members(drafts: Sequence[Sequence[int]],
     """The drafts that enter a sampling request's mixture (see above): where a drafter that
     sampled its draft (``sampled[i]``: it keeps its distribution q_i) has drafted, only those;
     else all (the model-free voters' point masses). A left-out drafter's draft is empty."""
-    if len(sampled) != len(drafts):
-        raise ValueError(f"sampled has {len(sampled)} entries but there are {len(drafts)} drafts")
-    if any(s and len(d) > 0 for d, s in zip(drafts, sampled, strict=True)):
+    if _a_sampler_drafted(drafts, sampled):
         return [d if s else [] for d, s in zip(drafts, sampled, strict=True)]
     return list(drafts)
+
+
+def _a_sampler_drafted(drafts: Sequence[Sequence[int]], sampled: Sequence[bool]) -> bool:
+    if len(sampled) != len(drafts):
+        raise ValueError(f"sampled has {len(sampled)} entries but there are {len(drafts)} drafts")
+    return any(s and len(d) > 0 for d, s in zip(drafts, sampled, strict=True))
 
 
 @dataclass(frozen=True)
@@ -419,9 +423,8 @@ def sampled_chain(drafts: Sequence[Sequence[int]], sampled: Sequence[bool],
     mixture rule over the sampling drafters (`mixture_members`, `pick_mixture_chain` with
     ``uniforms``); else the vote over the point masses, each position verified as a point mass
     on its token (shares ``{winner: 1.0}``; no uniform is used)."""
-    members = mixture_members(drafts, sampled)
-    if any(s and len(d) > 0 for d, s in zip(members, sampled, strict=True)):
-        return pick_mixture_chain(members, weights, max_len, uniforms)
+    if _a_sampler_drafted(drafts, sampled):
+        return pick_mixture_chain(mixture_members(drafts, sampled), weights, max_len, uniforms)
     vote = weighted_prefix_vote(drafts, weights, max_len=max_len)
     return MixtureChain(vote.tokens, [{vote.winner: 1.0} for _ in vote.tokens])
 
