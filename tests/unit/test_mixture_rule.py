@@ -50,6 +50,16 @@ def _drafts(model: Model) -> list[tuple[list[int], float, list[np.ndarray]]]:
     return out
 
 
+def _finish(target: Model, law: dict[tuple[int, ...], float], out: list[int],
+            prob: float) -> None:
+    """Add to ``law`` the target's own continuations of ``out`` to L tokens (past the step)."""
+    if len(out) >= L:
+        law[tuple(out[:L])] += prob
+        return
+    for y, py in enumerate(target(out)):
+        _finish(target, law, out + [y], prob * py)
+
+
 def output_law(target: Model, models: list[Model], voter: list[int], weights: list[float],
                control: bool = False, members: bool = False) -> dict[tuple[int, ...], float]:
     """Exact law of the first L output tokens: every drafter sample, every member pick, every
@@ -58,11 +68,7 @@ def output_law(target: Model, models: list[Model], voter: list[int], weights: li
     law: dict[tuple[int, ...], float] = defaultdict(float)
 
     def finish(out: list[int], prob: float) -> None:
-        if len(out) >= L:
-            law[tuple(out[:L])] += prob
-            return
-        for y, py in enumerate(target(out)):
-            finish(out + [y], prob * py)
+        _finish(target, law, out, prob)
 
     def explore(drafts, dists, chain: list[int], prob: float) -> None:
         step = mixture_step(drafts, dists, weights, chain, V) if len(chain) < K else None
@@ -107,22 +113,14 @@ def _tv(a: dict, b: dict) -> float:
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
 
+@pytest.mark.parametrize("members", [False, True])  # True: point masses out (the engine's)
 @pytest.mark.parametrize("seed", range(4))
-def test_the_mixture_rule_keeps_the_targets_distribution_exactly(seed):
+def test_the_mixture_rule_keeps_the_targets_distribution_exactly(seed, members):
     target = Model(100 + seed)
     drafters = [Model(200 + seed, 0.5), Model(300 + seed, 2.0)]  # peaked and flat
     law = output_law(target, drafters, voter=[seed % V, (seed + 1) % V],
-                     weights=[1.0, 2.5, 0.7])
+                     weights=[1.0, 2.5, 0.7], members=members)
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
-    assert _tv(law, target_law(target)) < 1e-12
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_leaving_the_point_masses_out_where_a_model_sampled_keeps_the_distribution(seed):
-    target = Model(100 + seed)
-    drafters = [Model(200 + seed, 0.5), Model(300 + seed, 2.0)]
-    law = output_law(target, drafters, voter=[seed % V, (seed + 1) % V],
-                     weights=[1.0, 2.5, 0.7], members=True)
     assert _tv(law, target_law(target)) < 1e-12
 
 
@@ -147,11 +145,7 @@ def point_mass_law(target: Model, chain: list[int]) -> dict[tuple[int, ...], flo
     law: dict[tuple[int, ...], float] = defaultdict(float)
 
     def finish(out: list[int], prob: float) -> None:
-        if len(out) >= L:
-            law[tuple(out[:L])] += prob
-            return
-        for y, py in enumerate(target(out)):
-            finish(out + [y], prob * py)
+        _finish(target, law, out, prob)
 
     out: list[int] = []
     prob = 1.0
