@@ -44,7 +44,6 @@ from vllm_smurfs.trace.format import TraceStep
 from vllm_smurfs.vote_sampler import (
     DrafterWeights,
     WeightUpdateRule,
-    mixture_members,
     sampled_chain,
     weighted_prefix_vote,
 )
@@ -428,12 +427,10 @@ class SmurfsProposer:
         drafters that sampled, where one drafted (``sampled[d]``: drafter d kept its
         distribution); else the vote over the point masses."""
         state = self._state(req_id)
-        longest = min(k, max((len(d) for d in mixture_members(per_drafter, sampled)),
-                             default=0))
         # Shares fixed before the tokens are seen: any function of the weights is lossless.
         shares = [w ** self.mixture_sharpness for w in state.weights.weights]
         picked = sampled_chain(per_drafter, sampled, shares, k,
-                               member_uniforms(longest, generator))
+                               lambda n: member_uniforms(n, generator))
         state.drafts, state.voted, state.shares = per_drafter, picked.tokens, picked.shares
         proposals[row] = picked.tokens
         if picked.tokens:

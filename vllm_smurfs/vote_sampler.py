@@ -21,7 +21,7 @@ outside the engine; it runs per request per step, on drafts of ~16 tokens from <
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -418,13 +418,16 @@ def pick_mixture_chain(drafts: Sequence[Sequence[int]], weights: Sequence[float]
 
 def sampled_chain(drafts: Sequence[Sequence[int]], sampled: Sequence[bool],
                   weights: Sequence[float], max_len: int,
-                  uniforms: Sequence[float]) -> MixtureChain:
+                  draw: Callable[[int], Sequence[float]]) -> MixtureChain:
     """A sampling request's chain (see above): where a drafter that sampled has drafted, the
     mixture rule over the sampling drafters (`mixture_members`, `pick_mixture_chain` with
-    ``uniforms``); else the vote over the point masses, each position verified as a point mass
-    on its token (shares ``{winner: 1.0}``; no uniform is used)."""
+    ``draw(n)``: ``n`` fresh uniforms in [0, 1), one per position the members' drafts reach,
+    called once); else the vote over the point masses, each position verified as a point mass
+    on its token (shares ``{winner: 1.0}``; nothing is drawn)."""
     if _a_sampler_drafted(drafts, sampled):
-        return pick_mixture_chain(mixture_members(drafts, sampled), weights, max_len, uniforms)
+        members = mixture_members(drafts, sampled)
+        longest = min(max_len, max(len(d) for d in members))
+        return pick_mixture_chain(members, weights, max_len, draw(longest))
     vote = weighted_prefix_vote(drafts, weights, max_len=max_len)
     return MixtureChain(vote.tokens, [{vote.winner: 1.0} for _ in vote.tokens])
 

@@ -162,26 +162,43 @@ def point_mass_law(target: Model, chain: list[int]) -> dict[tuple[int, ...], flo
     return law
 
 
+class Draws:
+    """A draw function that records its calls and hands out fixed uniforms."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.calls = value, []
+
+    def __call__(self, n: int) -> list[float]:
+        self.calls.append(n)
+        return [self.value] * n
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_point_masses_alone_take_the_vote_verified_as_a_point_mass_losslessly(seed):
     target = Model(100 + seed)
     drafts = [[seed % V, (seed + 1) % V], [(seed + 2) % V, seed % V], [seed % V, (seed + 2) % V]]
     weights = [1.0, 2.5, 0.7]
-    picked = sampled_chain(drafts, [False] * 3, weights, K, [0.0, 0.0])
-    # The heaviest path (drafter 1 outweighs 0 and 2 together), whatever the uniforms.
+    draws = Draws(0.0)
+    picked = sampled_chain(drafts, [False] * 3, weights, K, draws)
+    # The heaviest path (drafter 1 outweighs 0 and 2 together), and nothing is drawn for it.
     assert picked.tokens == drafts[1]
-    assert sampled_chain(drafts, [False] * 3, weights, K, [0.99, 0.99]) == picked
+    assert draws.calls == []
     assert picked.shares == [{1: 1.0}] * K  # q: a point mass on the chain's own tokens
     assert _tv(point_mass_law(target, picked.tokens), target_law(target)) < 1e-12
 
 
 def test_a_sampling_drafter_that_drafted_takes_the_mixture_over_the_sampling_drafters():
-    drafts = [[0, 1], [2, 2], [1, 0]]  # drafter 0 sampled; 1 and 2 are point masses
-    picked = sampled_chain(drafts, [True, False, False], [0.1, 5.0, 5.0], K, [0.99, 0.99])
+    drafts = [[0, 1, 1], [2, 2], [1, 0]]  # drafter 0 sampled; 1 and 2 are point masses
+    draws = Draws(0.99)
+    picked = sampled_chain(drafts, [True, False, False], [0.1, 5.0, 5.0], K, draws)
     assert picked.tokens == [0, 1] and picked.shares == [{0: 1.0}] * K
-    # Drafter 0 drafted nothing for this request: the vote over the point masses.
-    picked = sampled_chain([[], [2, 2], [1, 0]], [True, False, False], [0.1, 5.0, 5.0], K, [])
+    assert draws.calls == [K]  # one uniform per position the members' drafts reach, up to K
+    # Drafter 0 drafted nothing for this request: the vote over the point masses, no draw.
+    draws = Draws(0.99)
+    picked = sampled_chain([[], [2, 2], [1, 0]], [True, False, False], [0.1, 5.0, 5.0], K,
+                           draws)
     assert picked.tokens == [2, 2] and picked.shares == [{1: 1.0}] * K
+    assert draws.calls == []
 
 
 @pytest.mark.parametrize("seed", range(4))
