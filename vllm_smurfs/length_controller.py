@@ -52,6 +52,15 @@ bound says no (``PROBE_NEW_REQUESTS``): one request's acceptance says little of 
 So the controller cannot lock the models out for good, and exploring cannot cost more than a few
 percent. The same holds for switching streaming drafters on again (`control.streaming_mode`).
 
+**While a prompt is pending** (a request of the last step is part-way through its prompt: the
+scheduler cut it to the step's token budget, so the next steps carry prompt chunks whatever is
+drafted), nothing is drafted. Those steps are as many as the prompts need, so a draft token
+cannot save one: it costs its verification (and a model drafter its forwards and catch-ups),
+compute taken from the prompts, and brings a token that its request would get in a step that
+runs anyway. (In a cold burst of 64 prompts most of the run is such steps: 58 of 66 s.) A
+configuration that forces the model drafters (``min_lookahead`` > 0, ``pause_models`` false)
+drafts there too.
+
 **While drafting** and **while waiting** for streamed drafts, the step's plan is applied by the
 rules of `control.drafting_rules` (a draft goes on, one more drafter step is waited for, while what
 it brings beats ``rho`` times what it costs).
@@ -215,7 +224,8 @@ class LengthController:
                        for kind in ("hand", "models")}
         self._pending: tuple[str, float] | None = None  # the last plan's kind, predicted drafts
         self.steps = 0
-        self.counts = {"steps_with_models": 0, "explore_steps": 0, "request_steps": 0,
+        self.counts = {"steps_with_models": 0, "explore_steps": 0, "prompt_pending_steps": 0,
+                       "request_steps": 0,
                        "with_models": 0, "in_hand_only": 0, "no_draft": 0,
                        "without_models_free_chain": 0, "without_models_no_chain": 0}
         self._last: dict[str, Any] = {}
@@ -339,13 +349,24 @@ class LengthController:
         return total
 
     # -- planning ------------------------------------------------------------------------------
-    def plan(self, requests: Sequence[PlanRequest], max_lookahead: int) -> Plan:
-        """This step's plan (see the module docstring). ``max_lookahead``: the scheduler's cap."""
+    def plan(self, requests: Sequence[PlanRequest], max_lookahead: int, *,
+             prompt_pending: bool = False) -> Plan:
+        """This step's plan (see the module docstring). ``max_lookahead``: the scheduler's cap;
+        ``prompt_pending``: a request of the last step is part-way through its prompt."""
         n = len(requests)
         nd = self.num_worker_drafters
         if n == 0:
             return Plan([], [[] for _ in range(nd)])
         self.steps += 1
+        if prompt_pending and not self.force_models:
+            # Steps that run for the prompts anyway: no draft can save one (module docstring).
+            self.counts["prompt_pending_steps"] += 1
+            self._last = {"mode": "prompt", "num_reqs": n}
+            plan = Plan(lookaheads=[0] * n, model_rows=[[] for _ in range(nd)],
+                        streaming=self.streaming, mode="prompt",
+                        bands=[r.band for r in requests])
+            self._count(requests, plan)
+            return plan
         ids = [r.req_id for r in requests]
         for r in requests:
             self.band(r.band)  # a new band's estimates exist before they are read

@@ -247,6 +247,9 @@ class SmurfsProposer:
         self._passes = []
 
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]
+        # A request without a token this step is part-way through its prompt (vLLM discards
+        # the token sampled from a partial prefill): the next step carries more of it.
+        prompt_pending = len(rows) < len(sampled_token_ids)
         max_lookahead = min(step.max_spec_tokens or self.num_speculative_tokens,
                             self.num_speculative_tokens)
         prompts = step.num_prompt_tokens
@@ -260,7 +263,7 @@ class SmurfsProposer:
         forwards_s = waited_s = 0.0
         if requests:
             forwards_s, waited_s = self._draft_and_vote(step, rows, requests, max_lookahead,
-                                                        proposals, sampling)
+                                                        proposals, sampling, prompt_pending)
         self.stats.steps += 1
         self._maybe_log()
         self._returned_at = time.perf_counter()
@@ -272,7 +275,8 @@ class SmurfsProposer:
     # -- one step ---------------------------------------------------------------------------------
     def _draft_and_vote(self, step: StepContext, rows: list[int], requests: list[DraftRequest],
                         max_lookahead: int, proposals: list[list[int]],
-                        sampling: RowSampling | None = None) -> tuple[float, float]:
+                        sampling: RowSampling | None = None,
+                        prompt_pending: bool = False) -> tuple[float, float]:
         """Plan the step, draft by the plan, vote (a request that samples: the mixture rule);
         returns (drafter forward seconds, seconds waited for streamed drafts)."""
         worker = self.worker
@@ -308,7 +312,7 @@ class SmurfsProposer:
                         tuple(d.catch_up_tokens(r.req_id, len(r.context))
                               if d.can_draft(len(r.context)) else None for d in drafters),
                         remaining=remaining_tokens(step.runner, r.req_id), band=bands[i])
-            for i, r in enumerate(requests)], max_lookahead)
+            for i, r in enumerate(requests)], max_lookahead, prompt_pending=prompt_pending)
         model_rows = plan.model_row_set
         # The process drafters work for this step: pipelined, on every request while streaming
         # is on (they draft ahead of the chains now verified, for the next steps); synchronous,
@@ -409,7 +413,8 @@ class SmurfsProposer:
             self._plan_record = {"mode": plan.mode, "rho": round(plan.rho, 4),
                                  "lookaheads": plan.lookaheads,
                                  "models": sorted(model_rows), "external": len(external_rows),
-                                 "free": free_lens}
+                                 "free": free_lens, **({"prompt_pending": True}
+                                                        if prompt_pending else {})}
         return forwards_s, waited_s
 
     def _vote(self, req_id: str, row: int, k: int, per_drafter: list[list[int]],

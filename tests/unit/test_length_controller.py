@@ -144,6 +144,23 @@ def test_prompt_tokens_count_as_work_not_as_output():
     assert plan.lookaheads[0] > 0
 
 
+def test_nothing_is_drafted_while_a_prompt_is_pending():
+    # A chunked prefill still going: the next steps run for the prompts whatever is drafted, so
+    # a draft cannot save one; the same request and chain draft again once it is done.
+    c = measured()
+    teach(c, "r", models=0.9, free=0.9)
+    reqs = [req(), req("s", free_len=K)]
+    held = c.plan(reqs, K, prompt_pending=True)
+    assert held.lookaheads == [0, 0] and not held.models and held.mode == "prompt"
+    assert c.snapshot()["prompt_pending_steps"] == 1
+    assert c.plan(reqs, K).lookaheads[1] > 0
+    assert c.plan([req()], K).models
+    assert not c.plan([req()], K, prompt_pending=True).models
+    # A configuration that forces the model drafters keeps them in those steps too.
+    forced = measured(min_lookahead=1)
+    assert forced.plan(reqs, K, prompt_pending=True).model_rows == [[0, 1]]
+
+
 def test_prompt_tokens_are_learnt_from_the_step_itself():
     c = measured()
     c.observe_step(StepTiming(1, 600, target_s(600), prompt_tokens=596))

@@ -179,7 +179,7 @@ class _ScriptedController:
         self.k, self.streaming = k, streaming
         self.outcomes, self.timings, self.requests = [], [], []
 
-    def plan(self, requests, max_lookahead):
+    def plan(self, requests, max_lookahead, *, prompt_pending=False):
         self.requests.append(list(requests))
         ks = [min(self.k, r.cap) if self.streaming else min(self.k, r.free_len)
               for r in requests]

@@ -279,6 +279,15 @@ def test_recorded_trace_replays_with_poison_and_a_prompt_heavy_step(path: Path) 
     assert prompted.model_share >= 0.9 * clean.model_share
     after = prompted_decisions[6:16] + prompted_decisions[41:51]
     assert sum(after) >= 0.5 * sum(decisions[6:16] + decisions[41:51])
+    # A chunked prefill pending over steps 20-29: no draft in them, the models back after.
+    lookaheads: list[int] = []
+    pending = replay(requests, lambda: LengthController(6, 1), 1, target, drafter, 6,
+                     prompt_steps={i: 2048 for i in range(20, 31)},
+                     pending_steps=range(20, 30),
+                     on_plan=lambda i, plan, reqs: lookaheads.append(sum(plan.lookaheads)))
+    assert lookaheads[20:30] == [0] * 10 and sum(lookaheads[:20]) > 0
+    assert sum(lookaheads[31:51]) > 0
+    assert pending.model_share >= 0.8 * clean.model_share
 
 
 # --------------------------------------------------------------------------------- CLI, report

@@ -30,7 +30,9 @@ class FixedLookahead:
     def streaming(self) -> bool:
         return True
 
-    def plan(self, requests: Sequence[PlanRequest], max_lookahead: int) -> Plan:
+    def plan(self, requests: Sequence[PlanRequest], max_lookahead: int, *,
+             prompt_pending: bool = False) -> Plan:
+        """``prompt_pending`` is ignored: a fixed lookahead drafts in every step."""
         top = min(self.num_speculative_tokens, max(0, max_lookahead))
         # As vLLM's methods: k tokens whenever the context holds them, also in a request's last
         # step (drafts past its max_tokens are verified and dropped).

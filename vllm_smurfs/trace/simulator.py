@@ -29,7 +29,8 @@ of one request (a model row's chain is the model's), prefill steps (only as ``pr
 As live, the policy is first told of the drafter's start-up warm-up (each shape twice). Fault
 injection for regression tests: ``poison_first_pass_s`` makes the first drafter forward of the
 run proper take that long (a first call that built kernels); ``prompt_steps[i] = n``
-adds ``n`` prompt-chunk tokens to step ``i`` (its cost and its `StepTiming`).
+adds ``n`` prompt-chunk tokens to step ``i`` (its cost and its `StepTiming`); ``pending_steps``
+are the steps planned while a prompt is pending (a chunked prefill still going).
 
 Its command line is `trace.report`'s (``python -m vllm_smurfs.trace``: tables of policies
 compared, ``--summary`` of a recorded run); the runtime never imports either module.
@@ -39,7 +40,7 @@ Pure module (stdlib + numpy, no vllm/torch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +88,8 @@ class NoSpeculation(FixedLookahead):
     def __init__(self) -> None:
         super().__init__(1, 0)
 
-    def plan(self, requests: Sequence[PlanRequest], max_lookahead: int) -> Plan:
+    def plan(self, requests: Sequence[PlanRequest], max_lookahead: int, *,
+             prompt_pending: bool = False) -> Plan:
         return Plan(lookaheads=[0] * len(requests), model_rows=[], mode="none")
 
     def snapshot(self) -> dict[str, Any]:
@@ -162,11 +164,14 @@ def replay(requests: Sequence[ReplayRequest], factory: PolicyFactory, concurrenc
            target: Callable[[float], float], drafter: Callable[[float], float] | None,
            max_lookahead: int = 8, *, poison_first_pass_s: float | None = None,
            prompt_steps: Mapping[int, int] | None = None,
+           pending_steps: Collection[int] = (),
            on_plan: Callable[[int, Plan, list[PlanRequest]], None] | None = None) -> SimResult:
     """Replay ``requests`` under the policy ``factory()`` (see the module docstring).
 
     ``target(tokens)`` and ``drafter(tokens)`` price a target step and a drafter forward
-    (``drafter`` None: no model drafter, model rows draft nothing). ``on_plan(step, plan,
+    (``drafter`` None: no model drafter, model rows draft nothing). ``prompt_steps``: prompt-chunk
+    tokens added to a step's target tokens, by step index; ``pending_steps``: the steps planned
+    with a prompt pending (`LengthController.plan`'s ``prompt_pending``). ``on_plan(step, plan,
     plan_requests)`` sees every plan (for tests of the decisions).
     """
     if concurrency < 1:
@@ -199,7 +204,8 @@ def replay(requests: Sequence[ReplayRequest], factory: PolicyFactory, concurrenc
                 r.req_id, context, _MAX_MODEL_LEN, int(r.free_len[a.x]),
                 catch_up=(context - min(a.synced, context - 1),) if drafter else (),
                 remaining=r.length - a.x))
-        plan = policy.plan(plan_reqs, max_lookahead)
+        plan = policy.plan(plan_reqs, max_lookahead,
+                           prompt_pending=step_index in pending_steps)
         if on_plan is not None:
             on_plan(step_index, plan, plan_reqs)
         model_rows = sorted(plan.model_row_set) if drafter is not None else []
