@@ -76,13 +76,16 @@ def run(job: dict[str, Any], events_path: str) -> None:
         # Prompts of the batch-1 pass would otherwise be served from the prefix cache.
         llm.reset_prefix_cache()
         before = spec_counters(llm)
+        smurfs_before = get_smurfs_stats(llm) if smurfs else None
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed_s = time.perf_counter() - t0
+        extra = ({"smurfs_stats": stats_delta(get_smurfs_stats(llm), smurfs_before)}
+                 if smurfs_before is not None else {})
         emit({"event": "batched", "elapsed_s": elapsed_s,
               "outputs": [{"prompt_index": i, **_output_record(o)}
                           for i, o in zip(indices, outputs)],
-              **counter_delta(spec_counters(llm), before)})
+              **counter_delta(spec_counters(llm), before), **extra})
     emit({"event": "done"})
 
 
