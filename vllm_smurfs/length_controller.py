@@ -54,12 +54,12 @@ percent. The same holds for switching streaming drafters on again (`control.stre
 
 **While a prompt is pending** (a request of the last step is part-way through its prompt: the
 scheduler cut it to the step's token budget, so the next steps carry prompt chunks whatever is
-drafted), nothing is drafted. Those steps are as many as the prompts need, so a draft token
-cannot save one: it costs its verification (and a model drafter its forwards and catch-ups),
-compute taken from the prompts, and brings a token that its request would get in a step that
-runs anyway. (In a cold burst of 64 prompts most of the run is such steps: 58 of 66 s.) A
-configuration that forces the model drafters (``min_lookahead`` > 0, ``pause_models`` false)
-drafts there too.
+drafted), nothing is drafted. The prompts set how many such steps run, and the requests still
+in their prompts, with all their tokens to go, set how many follow: a draft for a request that
+decodes now saves neither, at least when requests ask for similar lengths. It costs its
+verification (and a model drafter its forwards and catch-ups), compute taken from the prompts.
+(In a cold burst of 64 prompts most of the run is prompt steps: 58 of 66 s.) A configuration
+that forces the model drafters (``min_lookahead`` > 0, ``pause_models`` false) drafts there too.
 
 **While drafting** and **while waiting** for streamed drafts, the step's plan is applied by the
 rules of `control.drafting_rules` (a draft goes on, one more drafter step is waited for, while what
