@@ -38,6 +38,20 @@ def _output_record(output: Any) -> dict[str, Any]:
             "finish_reason": completion.finish_reason}
 
 
+def _snapshot(llm: Any, smurfs: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """vLLM's speculative-decoding counters, and Smurfs' own figures when it runs."""
+    return spec_counters(llm), get_smurfs_stats(llm) if smurfs else None
+
+
+def _since(llm: Any, snapshot: tuple[dict[str, Any], dict[str, Any] | None]) -> dict[str, Any]:
+    """What the counters (and Smurfs' figures, as ``smurfs_stats``) gained since ``snapshot``."""
+    counters, smurfs_before = snapshot
+    out = counter_delta(spec_counters(llm), counters)
+    if smurfs_before is not None:
+        out["smurfs_stats"] = stats_delta(get_smurfs_stats(llm), smurfs_before)
+    return out
+
+
 def run(job: dict[str, Any], events_path: str) -> None:
     def emit(event: dict[str, Any]) -> None:
         with open(events_path, "a") as f:
@@ -61,31 +75,24 @@ def run(job: dict[str, Any], events_path: str) -> None:
     smurfs = (job["speculative_config"] or {}).get("method") == "smurfs"
     if "batch1" in job["loads"]:
         for index, prompt in zip(indices, prompts):
-            before = spec_counters(llm)
-            smurfs_before = get_smurfs_stats(llm) if smurfs else None
+            before = _snapshot(llm, smurfs)
             t0 = time.perf_counter()
             [output] = llm.generate([prompt], params, use_tqdm=False)
             elapsed_s = time.perf_counter() - t0
-            extra = ({"smurfs_stats": stats_delta(get_smurfs_stats(llm), smurfs_before)}
-                     if smurfs_before is not None else {})
             emit({"event": "batch1", "prompt_index": index, "elapsed_s": elapsed_s,
-                  **_output_record(output), **counter_delta(spec_counters(llm), before),
-                  **extra})
+                  **_output_record(output), **_since(llm, before)})
 
     if "batched" in job["loads"]:
         # Prompts of the batch-1 pass would otherwise be served from the prefix cache.
         llm.reset_prefix_cache()
-        before = spec_counters(llm)
-        smurfs_before = get_smurfs_stats(llm) if smurfs else None
+        before = _snapshot(llm, smurfs)
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed_s = time.perf_counter() - t0
-        extra = ({"smurfs_stats": stats_delta(get_smurfs_stats(llm), smurfs_before)}
-                 if smurfs_before is not None else {})
         emit({"event": "batched", "elapsed_s": elapsed_s,
               "outputs": [{"prompt_index": i, **_output_record(o)}
                           for i, o in zip(indices, outputs)],
-              **counter_delta(spec_counters(llm), before), **extra})
+              **_since(llm, before)})
     emit({"event": "done"})
 
 
