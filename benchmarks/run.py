@@ -95,6 +95,7 @@ class RunSettings:
     method_timeout_s: float | None = None
     margins: bool = True
     plots: bool = True
+    allocator: bool = True  # methods.ALLOCATOR_ENV in every method's environment
 
 
 def load_tokenizer(target: str) -> Any:
@@ -163,7 +164,7 @@ def _error_line(text: str) -> str:
 def run_offline(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSettings,
                 prompts: list[Prompt], loads: list[str], cpus: list[int], logs_dir: str,
                 timeout_s: float) -> dict[str, Any]:
-    env, placement_env = child_env(spec, "offline", cpus)
+    env, placement_env = child_env(spec, "offline", cpus, allocator=settings.allocator)
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_gib:g}",
                 "PYTHONPATH": _python_path(env)})
@@ -242,7 +243,7 @@ def run_served(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSet
     differences over its own requests). A failing run records its error and the next N still
     runs; a server that does not start or warm up fails them all.
     """
-    env, placement_env = child_env(spec, "served", cpus)
+    env, placement_env = child_env(spec, "served", cpus, allocator=settings.allocator)
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
     env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache between load points
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

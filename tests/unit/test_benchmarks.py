@@ -27,6 +27,7 @@ from benchmarks.analysis import (
 )
 from benchmarks.compare import compare, figures
 from benchmarks.methods import (
+    ALLOCATOR_ENV,
     MethodSettings,
     Placement,
     child_env,
@@ -120,8 +121,19 @@ def test_child_env_drops_inherited_placement_and_pins_numba_to_the_thread_count(
     assert env["OMP_NUM_THREADS"] == "2" and env["NUMBA_NUM_THREADS"] == "2"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in env and env["PATH"] == "/bin"
     assert placement["NUMBA_NUM_THREADS"] == "2"
-    env, placement = child_env(parse_method("none@auto", 2), "served", [0, 1], base)
+    env, placement = child_env(parse_method("none@auto", 2), "served", [0, 1], base,
+                               allocator=False)
     assert placement == {} and "OMP_NUM_THREADS" not in env and "NUMBA_NUM_THREADS" not in env
+    assert not any(k.startswith("MALLOC_") for k in env)
+
+
+def test_child_env_fixes_the_allocator_thresholds_unless_the_parent_set_them():
+    spec = parse_method("none@auto", 2)
+    env, placement = child_env(spec, "offline", [0, 1], {"PATH": "/bin"})
+    assert placement == ALLOCATOR_ENV and env["MALLOC_TRIM_THRESHOLD_"] == "1073741824"
+    env, placement = child_env(spec, "offline", [0, 1], {"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert placement["MALLOC_MMAP_THRESHOLD_"] == env["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    assert placement["MALLOC_TRIM_THRESHOLD_"] == "1073741824"
 
 
 def test_speculative_configs():
