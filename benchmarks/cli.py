@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-margins", action="store_true",
                      help="skip the target forward that measures top-2 margins at divergences")
     run.add_argument("--no-plots", action="store_true")
+    run.add_argument("--interleave", action="store_true",
+                     help="offline loads: start every method's engine at once and time each "
+                          "prompt for every method in turn, one computing at a time (robust to "
+                          "a machine whose speed drifts; the engines' memory must fit together)")
     run.add_argument("--glibc-malloc-defaults", action="store_true",
                      help="leave glibc's allocator thresholds dynamic (by default every method "
                           "runs with MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ fixed)")
@@ -217,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         smurfs_extra=args.smurfs_extra, smurfs_ngram_voter=not args.no_smurfs_ngram,
         variants=all_variants(args.variant),
         method_timeout_s=args.method_timeout_s, margins=not args.no_margins,
-        plots=not args.no_plots, allocator=not args.glibc_malloc_defaults)
+        plots=not args.no_plots, allocator=not args.glibc_malloc_defaults,
+        interleave=args.interleave)
     if args.repeat == 1:
         run(settings, argv)
         print(f"[bench] wrote {out}/result.json, summary.md, plots/")

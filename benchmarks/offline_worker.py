@@ -8,12 +8,19 @@ own acceptance counters. Events are appended to a JSON-lines file as they happen
 dies half-way still leaves the prompts it finished:
 
     {"event": "started", "startup_s": ..., "pid": ...}
+    {"event": "ready"}  (warmed up; a gated worker now waits for its first go)
     {"event": "batch1", "prompt_index": i, "elapsed_s": ..., "output_token_ids": [...], ...}
     {"event": "batched", "elapsed_s": ..., "outputs": [{"prompt_index": i, ...}], counters...}
     {"event": "done"}
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set by the parent) so the
 thread placement the parent gives it through the environment is the target's.
+
+A gated job (``"gated": true``, `benchmarks run --interleave`) runs beside the other methods'
+workers: before each timed call (each batch-1 prompt, the batched call) it reads a line from
+stdin, written by the parent when it is this worker's turn, so that only one method computes at a
+time and every prompt is timed for every method within seconds of each other. End of input stops
+the worker.
 """
 
 from __future__ import annotations
@@ -71,10 +78,17 @@ def run(job: dict[str, Any], events_path: str) -> None:
     indices = [p["index"] for p in job["prompts"]]
 
     llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    emit({"event": "ready"})
+
+    def turn() -> None:
+        """A gated worker's wait for its turn (SystemExit at end of input: the parent gave up)."""
+        if job.get("gated") and not sys.stdin.readline():
+            raise SystemExit("end of input before the next timed call")
 
     smurfs = (job["speculative_config"] or {}).get("method") == "smurfs"
     if "batch1" in job["loads"]:
         for index, prompt in zip(indices, prompts):
+            turn()
             before = _snapshot(llm, smurfs)
             t0 = time.perf_counter()
             [output] = llm.generate([prompt], params, use_tqdm=False)
@@ -85,6 +99,7 @@ def run(job: dict[str, Any], events_path: str) -> None:
     if "batched" in job["loads"]:
         # Prompts of the batch-1 pass would otherwise be served from the prefix cache.
         llm.reset_prefix_cache()
+        turn()
         before = _snapshot(llm, smurfs)
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

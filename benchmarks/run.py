@@ -1,10 +1,11 @@
 """`benchmarks run`: every method on the same prompts and settings, each in fresh processes.
 
 Per method: the offline load points (batch 1, and batched if asked) in one child process with
-one in-process engine (`benchmarks.offline_worker`), then the served load points: one `vllm serve`
-warmed up once, then one `vllm bench serve` per --concurrency value in the order given, each
-recorded as `served@c<N>` (`benchmarks.served`). A failing method or load point records its error
-and the run goes on.
+one in-process engine (`benchmarks.offline_worker`; with `--interleave` all methods' workers at
+once, taking turns at each timed call: `run_offline_interleaved`), then the served load points:
+one `vllm serve` warmed up once, then one `vllm bench serve` per --concurrency value in the
+order given, each recorded as `served@c<N>` (`benchmarks.served`). A failing method or load
+point records its error and the run goes on.
 The JSON is rewritten after every method, so an interrupted run keeps what it measured.
 """
 
@@ -96,6 +97,7 @@ class RunSettings:
     margins: bool = True
     plots: bool = True
     allocator: bool = True  # methods.ALLOCATOR_ENV in every method's environment
+    interleave: bool = False  # offline loads of all methods at once, one timed call at a time
 
 
 def load_tokenizer(target: str) -> Any:
@@ -161,9 +163,38 @@ def _error_line(text: str) -> str:
     return lines[-1][:500] if lines else "no output"
 
 
-def run_offline(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSettings,
-                prompts: list[Prompt], loads: list[str], cpus: list[int], logs_dir: str,
-                timeout_s: float) -> dict[str, Any]:
+@dataclass
+class _OfflineChild:
+    """One method's offline worker: its job, environment and files."""
+
+    spec: MethodSpec
+    job: dict[str, Any]
+    env: dict[str, str]
+    placement_env: dict[str, str]
+    log_path: str
+    job_path: str = ""
+    events_path: str = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "benchmarks.offline_worker", self.job_path,
+                self.events_path]
+
+    def write_job(self, tmp: str, name: str = "") -> None:
+        self.job_path = os.path.join(tmp, f"{name}job.json")
+        self.events_path = os.path.join(tmp, f"{name}events.jsonl")
+        with open(self.job_path, "w") as f:
+            json.dump(self.job, f)
+
+    def events(self) -> list[dict[str, Any]]:
+        if not os.path.exists(self.events_path):
+            return []
+        with open(self.events_path) as f:
+            return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+
+
+def _offline_child(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSettings,
+                   prompts: list[Prompt], loads: list[str], cpus: list[int], logs_dir: str,
+                   gated: bool = False) -> _OfflineChild:
     env, placement_env = child_env(spec, "offline", cpus, allocator=settings.allocator)
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_gib:g}",
@@ -171,49 +202,152 @@ def run_offline(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSe
     job = {"target": settings.target, "dtype": settings.dtype,
            "max_model_len": settings.max_model_len, "max_tokens": settings.max_tokens,
            "temperature": settings.temperature, "seed": settings.seed,
-           "speculative_config": config, "loads": loads,
+           "speculative_config": config, "loads": loads, "gated": gated,
            "prompts": [{"index": p.index, "prompt_token_ids": p.prompt_token_ids}
                        for p in prompts]}
     log_path = os.path.join(logs_dir, f"{_file_label(spec.label)}.offline.log")
-    results: dict[str, Any] = {}
+    return _OfflineChild(spec, job, env, placement_env, log_path)
+
+
+def run_offline(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSettings,
+                prompts: list[Prompt], loads: list[str], cpus: list[int], logs_dir: str,
+                timeout_s: float) -> dict[str, Any]:
+    child = _offline_child(spec, config, settings, prompts, loads, cpus, logs_dir)
     with tempfile.TemporaryDirectory(prefix="bench-offline-") as tmp:
-        job_path, events_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "events.jsonl")
-        with open(job_path, "w") as f:
-            json.dump(job, f)
+        child.write_job(tmp)
         error = None
         started = time.perf_counter()
         with PlacementSampler() as sampler:
             try:
-                rc = _run_child([sys.executable, "-m", "benchmarks.offline_worker", job_path,
-                                 events_path], env, log_path, timeout_s, sampler)
+                rc = _run_child(child.command(), child.env, child.log_path, timeout_s, sampler)
                 if rc != 0:
-                    error = f"exit {rc}: {_error_line(_log_tail(log_path))}"
+                    error = f"exit {rc}: {_error_line(_log_tail(child.log_path))}"
             except TimeoutError as exc:
                 error = str(exc)
         wall_s = time.perf_counter() - started
-        events = []
-        if os.path.exists(events_path):
-            with open(events_path) as f:
-                events = [json.loads(line) for line in f if line.strip()]
+        events = child.events()
+    return _offline_results(child, events, error, wall_s, sampler, loads, len(prompts))
+
+
+def run_offline_interleaved(entries: list[tuple[MethodSpec, dict[str, Any] | None]],
+                            settings: RunSettings, prompts: list[Prompt], loads: list[str],
+                            cpus: list[int], logs_dir: str,
+                            timeout_s: float) -> dict[str, dict[str, Any]]:
+    """The offline loads of every method at once, interleaved (`--interleave`): {label: loads}.
+
+    Every method's worker starts and warms up together; then each timed call (each batch-1
+    prompt, then the batched call) runs for every method in turn, one computing at a time, the
+    first of each round rotating. So every prompt is timed for every method within seconds,
+    and a machine whose speed drifts over minutes (seen here: one prompt without speculation
+    took 4.7 s in one pass and 8.5 s in the next) shifts all methods alike. The engines stay
+    loaded together: their memory must fit at once. A worker that fails or stops records its
+    error, and the others go on.
+    """
+    timeout_s *= len(entries)
+    deadline = time.monotonic() + timeout_s
+    children = [_offline_child(spec, config, settings, prompts, loads, cpus, logs_dir,
+                               gated=True) for spec, config in entries]
+    errors: dict[str, str | None] = {c.spec.label: None for c in children}
+    procs: dict[str, subprocess.Popen] = {}
+    samplers = {c.spec.label: PlacementSampler() for c in children}
+    entered: list[PlacementSampler] = []
+    started = time.perf_counter()
+
+    def wait_for(child: _OfflineChild, done: Any) -> bool:
+        """Until done(events); False (error recorded) when the worker ends or time runs out."""
+        label, proc = child.spec.label, procs[child.spec.label]
+        while True:
+            if done(child.events()):
+                return True
+            if proc.poll() is not None:
+                if done(child.events()):
+                    return True
+                errors[label] = errors[label] or (
+                    f"exit {proc.returncode}: {_error_line(_log_tail(child.log_path))}")
+                return False
+            if time.monotonic() > deadline:
+                _kill_group(proc)
+                errors[label] = f"no result after {timeout_s:.0f} s (see {child.log_path})"
+                return False
+            time.sleep(0.02)
+
+    def count(kind: str) -> Any:
+        return lambda events: sum(1 for e in events if e["event"] == kind)
+
+    with tempfile.TemporaryDirectory(prefix="bench-interleaved-") as tmp:
+        try:
+            for i, child in enumerate(children):
+                child.write_job(tmp, f"{i}-")
+                entered.append(samplers[child.spec.label].__enter__())
+                with open(child.log_path, "ab") as log:
+                    log.write(f"$ {shlex.join(child.command())} (gated)\n".encode())
+                    log.flush()
+                    procs[child.spec.label] = subprocess.Popen(
+                        child.command(), env=child.env, cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                samplers[child.spec.label].watch(procs[child.spec.label].pid)
+            live = [c for c in children if wait_for(c, lambda ev: count("ready")(ev) > 0)]
+            units = (["batch1"] * len(prompts) if "batch1" in loads else []) + (
+                ["batched"] if "batched" in loads else [])
+            for u, kind in enumerate(units):
+                turn = live[u % len(live):] + live[:u % len(live)] if live else []
+                for child in turn:
+                    want = count(kind)(child.events()) + 1
+                    try:
+                        procs[child.spec.label].stdin.write(b"go\n")  # type: ignore[union-attr]
+                        procs[child.spec.label].stdin.flush()  # type: ignore[union-attr]
+                    except (BrokenPipeError, OSError):
+                        pass  # it ended: wait_for records why
+                    if not wait_for(child, lambda ev, k=kind, n=want: count(k)(ev) >= n):
+                        live.remove(child)
+            for child in children:
+                proc = procs[child.spec.label]
+                try:
+                    proc.stdin.close()  # type: ignore[union-attr]
+                except OSError:
+                    pass
+                wait_for(child, lambda ev: count("done")(ev) > 0)
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _kill_group(proc)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    _kill_group(proc)
+            for sampler in entered:
+                sampler.__exit__(None, None, None)
+        wall_s = time.perf_counter() - started
+        return {c.spec.label: _offline_results(c, c.events(), errors[c.spec.label], wall_s,
+                                               samplers[c.spec.label], loads, len(prompts))
+                for c in children}
+
+
+def _offline_results(child: _OfflineChild, events: list[dict[str, Any]], error: str | None,
+                     wall_s: float, sampler: PlacementSampler, loads: list[str],
+                     num_prompts: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
     startup: dict[str, Any] = next((e for e in events if e["event"] == "started"), {})
     done = any(e["event"] == "done" for e in events)
-    common = {"placement_env": placement_env, "placement_observed": sampler.report(),
-              "startup_s": startup.get("startup_s"), "wall_s": wall_s, "log": log_path}
+    common = {"placement_env": child.placement_env, "placement_observed": sampler.report(),
+              "startup_s": startup.get("startup_s"), "wall_s": wall_s, "log": child.log_path}
+    if child.job.get("gated"):
+        common["interleaved"] = True
     if error is None and not done:
         error = "the worker stopped before finishing"
     if "batch1" in loads:
         per_prompt = {str(e["prompt_index"]): _without_event(e) for e in events
                       if e["event"] == "batch1"}
         results["batch1"] = {**common, "per_prompt": per_prompt,
-                             **_status(error, len(per_prompt), len(prompts))}
+                             **_status(error, len(per_prompt), num_prompts)}
     if "batched" in loads:
         batched = next((e for e in events if e["event"] == "batched"), None)
         if batched is None:
-            results["batched"] = {**common, **_status(error or "not reached", 0, len(prompts))}
+            results["batched"] = {**common, **_status(error or "not reached", 0, num_prompts)}
         else:
             outputs = {str(o.pop("prompt_index")): o for o in batched.pop("outputs")}
             results["batched"] = {**common, **_without_event(batched), "outputs": outputs,
-                                  **_status(error, len(outputs), len(prompts))}
+                                  **_status(error, len(outputs), num_prompts)}
     return results
 
 
@@ -385,27 +519,40 @@ def run(settings: RunSettings, argv: list[str]) -> dict[str, Any]:
     }
     json_path = os.path.join(settings.out_dir, "result.json")
     offline_loads = [load for load in settings.loads if load in OFFLINE_LOADS]
+    configs: dict[str, dict[str, Any] | None | ValueError] = {}
+    for spec in specs:
+        try:
+            configs[spec.label] = speculative_config(spec, method_settings, cpus)
+            missing = missing_dependency(spec)
+            if missing:
+                raise ValueError(missing)
+        except ValueError as exc:
+            configs[spec.label] = exc
+    interleaved: dict[str, dict[str, Any]] = {}
+    if settings.interleave and offline_loads:
+        entries = [(s, c) for s in specs if not isinstance(c := configs[s.label], ValueError)]
+        print(f"[bench] interleaved: {', '.join(s.label for s, _ in entries)} ...", flush=True)
+        interleaved = run_offline_interleaved(entries, settings, prompts, offline_loads, cpus,
+                                              logs_dir, timeout_s)
     for spec in specs:
         print(f"[bench] {spec.label} ...", flush=True)
         method: dict[str, Any] = {"label": spec.label, "name": spec.name, "k": spec.k,
                                   "placement": spec.placement.name, "loads": {}, "error": None}
         result["methods"].append(method)
-        try:
-            config = speculative_config(spec, method_settings, cpus)
-            missing = missing_dependency(spec)
-            if missing:
-                raise ValueError(missing)
-        except ValueError as exc:
-            method["error"] = str(exc)
-            method["loads"] = {load: {"status": "error", "error": str(exc)}
+        config = configs[spec.label]
+        if isinstance(config, ValueError):
+            method["error"] = str(config)
+            method["loads"] = {load: {"status": "error", "error": str(config)}
                                for load in load_points(vars(settings))}
-            print(f"[bench] {spec.label}: {exc}", flush=True)
+            print(f"[bench] {spec.label}: {config}", flush=True)
             _write_json(result, json_path)
             continue
         method["speculative_config"] = config
         if offline_loads:
-            method["loads"].update(run_offline(spec, config, settings, prompts, offline_loads,
-                                               cpus, logs_dir, timeout_s))
+            method["loads"].update(
+                interleaved[spec.label] if settings.interleave
+                else run_offline(spec, config, settings, prompts, offline_loads, cpus, logs_dir,
+                                 timeout_s))
         if "served" in settings.loads:
             method["loads"].update(run_served(spec, config, settings, prompts, cpus, logs_dir,
                                               timeout_s, subset_path, raw_prompts_path))
