@@ -31,8 +31,8 @@ model draft is valued from the acceptance of voted chains with model drafts, **c
 what the step offers it** (with a model-free chain beside it, or with none, which is where a
 model draft pays most), against the chain in hand; the requests are added in the order of that
 benefit and the best prefix is taken, priced with the measured forward costs (the first
-forward's catch-up of each request at the tokens it will compute; the part beyond a normal
-step's catch-up is an investment in the request's later steps and charged spread over them). A
+forward at the catch-up tokens it will compute; the seconds beyond a normal step's catch-up are
+an investment in the request's later steps and charged spread over them: `CatchUpCharge`). A
 plan with drafts is taken only with a margin over the one without (``DRAFT_MARGIN``).
 
 **What it learns** (`control.acceptance`, `control.step_costs`), clean by construction: output
@@ -48,7 +48,8 @@ confidence bound of its acceptance (wide where it has seldom been verified, and 
 as unused evidence ages); when only the optimistic value says it pays, it is taken while the
 predicted price of such steps stays within ``EXPLORE_BUDGET`` of the time run so far. At batch
 1 a request the models never drafted for is probed the same way even when the population's
-bound says no (``PROBE_NEW_REQUESTS``): one request's acceptance says little of the next one's.
+bound says no (``PROBE_NEW_REQUESTS``): one request's acceptance says little of the next one's;
+not when catching the drafter up would prefill a long prompt on that guess.
 So the controller cannot lock the models out for good, and exploring cannot cost more than a few
 percent. The same holds for switching streaming drafters on again (`control.streaming_mode`).
 
@@ -85,6 +86,7 @@ from vllm_smurfs.control.plan import (
     expected,
 )
 from vllm_smurfs.control.plan_search import (
+    CatchUpCharge,
     ModelChoice,
     Point,
     catch_ups,
@@ -136,6 +138,10 @@ EXPERIMENT_CATCH_UP_TOKENS = 256
 # more. Only requests with PROBE_MIN_REMAINING tokens to go are probed (the experiment pays back
 # over the request), and only at batch 1: in a batch a model step is priced on the population's
 # estimate (at 2 requests probes cost 1% on a recorded Spec-Bench trace).
+# A probe is made on a guess, so only where catching the drafters up is cheap: at most
+# EXPERIMENT_CATCH_UP_TOKENS (a long prompt's catch-up is a prefill in the drafter: 0.75-1.1 s
+# for 613-919 tokens of Spec-Bench summarization, 6-9 target steps of the 2-core CPU, for a
+# request of 64 tokens that its n-gram and suffix chains served as well).
 PROBE_NEW_REQUESTS = True
 PROBE_MIN_REMAINING = 16
 PROBE_MAX_BATCH = 1
@@ -334,16 +340,17 @@ class LengthController:
             t = max(t, self.target_cost_streaming(tokens))
         return t
 
-    def _models_s(self, catch_up: Sequence[float], num_rows: int, max_k: int) -> float:
+    def _models_s(self, catch_up: Sequence[CatchUpCharge], num_rows: int, max_k: int) -> float:
         """Seconds the model drafters take for ``num_rows`` requests drafted up to ``max_k``
-        tokens: each in-worker drafter's first forward (``catch_up[d]`` tokens) and ``max_k - 1``
-        extensions; a synchronous drafter's call."""
+        tokens: each in-worker drafter's first forward (``catch_up[d]``, charged as
+        `CatchUpCharge.seconds` says) and ``max_k - 1`` extensions; a synchronous drafter's
+        call."""
         if num_rows <= 0 or max_k <= 0:
             return 0.0
         total = 0.0
         for d, cost in enumerate(self.pass_costs):
-            if catch_up[d] > 0:
-                total += cost(catch_up[d]) + (max_k - 1) * cost(num_rows)
+            if catch_up[d].full > 0:
+                total += catch_up[d].seconds(cost) + (max_k - 1) * cost(num_rows)
         if self.sync_drafters:
             total += self.draft_cost(max_k, num_rows)
         return total
@@ -412,6 +419,7 @@ class LengthController:
             # still differ from it (acceptance varies by request far more than by step).
             candidates = [i for i in can_model if PROBE_NEW_REQUESTS
                           and len(requests) <= PROBE_MAX_BATCH and self._unprobed(requests[i])
+                          and total_catch_up(requests[i]) <= EXPERIMENT_CATCH_UP_TOKENS
                           and (requests[i].remaining is None  # no max_tokens: long
                                or requests[i].remaining >= PROBE_MIN_REMAINING)]
             if not candidates:
@@ -428,13 +436,13 @@ class LengthController:
         ks = {i: max(min(caps[i], EXPLORE_DRAFT_TOKENS), min(lows[i], caps[i])) for i in rows}
         exp_tokens = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
         tokens = float(sum(1 + k for k in hand_ks))
-        catch_up = [0.0] * nd
+        catch_up = [CatchUpCharge()] * nd
         for i in rows:
             exp_tokens += expected(mean_curves[i], ks[i]) - expected(hand[i], hand_ks[i])
             tokens += ks[i] - hand_ks[i]
             spread = spread_steps(requests[i].remaining, expected(mean_curves[i], ks[i]))
             for d, c in enumerate(catch_ups(requests[i], nd)):
-                catch_up[d] += charged_catch_up(c, self.max_lookahead, spread)
+                catch_up[d] = catch_up[d] + charged_catch_up(c, self.max_lookahead, spread)
         max_k = max(ks.values())
         extra = self._models_s(catch_up, len(rows), max_k)
         experiment = ModelChoice(rows, ks, value(Point(exp_tokens, tokens, extra)),
@@ -583,8 +591,8 @@ class LengthController:
             # Ordering: what the request gains against its verification and its catch-up.
             net = expected(qs, top) - expected(hand[i], hand_ks[i]) - rho * (
                 verify_s * (top - hand_ks[i]) + sum(
-                    cost(c + 1) - cost(1) for cost, c in zip(self.pass_costs, charged,
-                                                              strict=True)))
+                    max(0.0, c.seconds(cost) - cost(1)) for cost, c in zip(self.pass_costs,
+                                                                          charged, strict=True)))
             cands.append((net, i, top, charged))
         if not cands:
             return None
@@ -595,7 +603,7 @@ class LengthController:
         best_value = 0.0
         for K in range(1, longest + 1):
             exp_tokens, tokens = base_expected, base_tokens
-            catch_up = [0.0] * nd
+            catch_up = [CatchUpCharge()] * nd
             max_k = 0
             for m, (net, i, top, charged) in enumerate(cands, 1):
                 if net <= 0 and m > 1 and not self.force_models:
@@ -604,7 +612,7 @@ class LengthController:
                 exp_tokens += expected(curves[i], k) - expected(hand[i], hand_ks[i])
                 tokens += k - hand_ks[i]
                 for d in range(nd):
-                    catch_up[d] += charged[d]
+                    catch_up[d] = catch_up[d] + charged[d]
                 max_k = max(max_k, k)
                 if tokens > limit and not self.force_models:
                     break
@@ -621,7 +629,7 @@ class LengthController:
         exp_tokens = base_expected + sum(expected(curves[i], k) - expected(hand[i], hand_ks[i])
                                          for i, k in ks.items())
         tokens = base_tokens + sum(k - hand_ks[i] for i, k in ks.items())
-        charged = [sum(c[3][d] for c in cands[:m]) for d in range(nd)]
+        charged = [sum((c[3][d] for c in cands[:m]), CatchUpCharge()) for d in range(nd)]
         max_k = max(ks.values())
         extra = self._models_s(charged, m, max_k)
         best = ModelChoice(rows, ks, best_value, exp_tokens, tokens, extra)

@@ -16,8 +16,10 @@ from vllm_smurfs.control.acceptance import ConfidenceCalibration
 from vllm_smurfs.control.feedback import DraftTiming, StepTiming
 from vllm_smurfs.control.fixed import FixedLookahead
 from vllm_smurfs.control.plan import DrafterOutcome, PlanRequest, RequestOutcome
+from vllm_smurfs.control.plan_search import charged_catch_up
 from vllm_smurfs.control.step_costs import StepCostModel
 from vllm_smurfs.length_controller import (
+    EXPERIMENT_CATCH_UP_TOKENS,
     EXPLORE_ALLOWANCE_S,
     EXPLORE_BUDGET,
     LengthController,
@@ -181,9 +183,10 @@ def test_no_draft_past_max_tokens():
 def test_a_long_catch_up_is_an_investment_spread_over_the_request():
     # Cause 4: the catch-up is priced at the tokens the first forward computes, the part beyond
     # a normal step's spread over the request's remaining steps, whatever share of steps the
-    # models drafted in before (no feedback loop).
+    # models drafted in before (no feedback loop). (At 0.7 the same catch-up, 351 ms where a
+    # normal first forward takes 77 ms, no longer pays back within the spread's 32 steps.)
     c = measured()
-    teach(c, "r", models=0.7)
+    teach(c, "r", models=0.8)
     assert c.plan([req(catch_up=600, remaining=500)], K).models
     # Near its end the same catch-up does not pay back.
     assert not c.plan([req(catch_up=600, remaining=3)], K).models
@@ -380,3 +383,28 @@ def test_a_lost_step_is_not_held_against_the_next():
     c.plan([req(free_len=0)], K)
     c.observe([RequestOutcome("r")])
     assert c.snapshot()["yield"]["models"] < before["models"]
+
+
+def test_a_catch_up_is_charged_in_seconds_at_the_tokens_it_computes():
+    # The first forward computes all 600 tokens: the normal step's part (7 tokens) is charged in
+    # full, the rest's seconds (not its tokens) spread. A share of the tokens priced on a curve
+    # with a large fixed cost per forward charged almost nothing: pass_s(7 + 593 / 32) == pass_s(7).
+    charge = charged_catch_up(600, K, 32.0)
+    assert charge.seconds(pass_s) == pytest.approx(pass_s(7) + (pass_s(600) - pass_s(7)) / 32)
+    assert charged_catch_up(5, K, 32.0).seconds(pass_s) == pass_s(5)  # a normal step's: in full
+    assert charged_catch_up(None, K, 32.0).seconds(pass_s) == 0.0
+    # Two requests in one forward: their own spreads, weighted by their extra tokens.
+    both = charged_catch_up(600, K, 32.0) + charged_catch_up(107, K, 4.0)
+    share = (593 / 32 + 100 / 4) / 693
+    assert both.seconds(pass_s) == pytest.approx(pass_s(14) + (pass_s(707) - pass_s(14)) * share)
+
+
+def test_a_probe_needs_a_cheap_catch_up():
+    # At batch 1 a new request is probed although the population's estimate says no, but not
+    # when the probe would prefill a long prompt in the drafter on that guess.
+    for catch_up, probed in ((20, True), (EXPERIMENT_CATCH_UP_TOKENS + 1, False), (600, False)):
+        c = measured()
+        teach(c, "a", models=0.15, steps=60)
+        c.forget(["a"])
+        plan = c.plan([req("n", catch_up=catch_up, remaining=60)], K)
+        assert (plan.mode == "explore" and plan.models) == probed, catch_up
