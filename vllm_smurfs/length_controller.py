@@ -32,7 +32,8 @@ what the step offers it** (with a model-free chain beside it, or with none, whic
 model draft pays most), against the chain in hand; the requests are added in the order of that
 benefit and the best prefix is taken, priced with the measured forward costs (the first
 forward at the catch-up tokens it will compute; the seconds beyond a normal step's catch-up are
-an investment in the request's later steps and charged spread over them: `CatchUpCharge`). A
+an investment in the request's later steps, charged spread over those in which its voters are
+expected to have no chain, where the models draft: `CatchUpCharge`, `chainless`). A
 plan with drafts is taken only with a margin over the one without (``DRAFT_MARGIN``).
 
 **What it learns** (`control.acceptance`, `control.step_costs`), clean by construction: output
@@ -48,8 +49,8 @@ confidence bound of its acceptance (wide where it has seldom been verified, and 
 as unused evidence ages); when only the optimistic value says it pays, it is taken while the
 predicted price of such steps stays within ``EXPLORE_BUDGET`` of the time run so far. At batch
 1 a request the models never drafted for is probed the same way even when the population's
-bound says no (``PROBE_NEW_REQUESTS``): one request's acceptance says little of the next one's;
-not when catching the drafter up would prefill a long prompt on that guess.
+bound says no (``PROBE_NEW_REQUESTS``): one request's acceptance says little of the next one's.
+No experiment prefills a long prompt in the drafters on such a guess.
 So the controller cannot lock the models out for good, and exploring cannot cost more than a few
 percent. The same holds for switching streaming drafters on again (`control.streaming_mode`).
 
@@ -116,7 +117,10 @@ DRAFT_MARGIN = 0.03
 # EVIDENCE_OBSERVATIONS observations: then their mean is mostly the prior, and catching a drafter
 # up with many requests, a prefill of each prompt in the drafter, would be an investment made on
 # a guess) drafts EXPLORE_DRAFT_TOKENS tokens for the requests cheapest to catch up with,
-# EXPERIMENT_CATCH_UP_TOKENS of catch-up in all (at least one request). Its price (what it loses
+# EXPERIMENT_CATCH_UP_TOKENS of catch-up in all (at least one request, none with more: an
+# experiment is a guess, and a long prompt's catch-up is a prefill in the drafter, 0.75-1.1 s for
+# the 613-919 tokens of Spec-Bench summarization prompts, 6-9 target steps of the 2-core CPU, for
+# requests of 64 tokens that their n-gram and suffix chains served as well). Its price (what it loses
 # by the mean estimates, its catch-ups charged as in any plan) is kept within EXPLORE_BUDGET of
 # the target time run so far plus EXPLORE_ALLOWANCE_S; the first experiment is always made.
 # (Under a simulated cold burst of 32 requests, a first model step for all of them on the prior
@@ -138,13 +142,17 @@ EXPERIMENT_CATCH_UP_TOKENS = 256
 # more. Only requests with PROBE_MIN_REMAINING tokens to go are probed (the experiment pays back
 # over the request), and only at batch 1: in a batch a model step is priced on the population's
 # estimate (at 2 requests probes cost 1% on a recorded Spec-Bench trace).
-# A probe is made on a guess, so only where catching the drafters up is cheap: at most
-# EXPERIMENT_CATCH_UP_TOKENS (a long prompt's catch-up is a prefill in the drafter: 0.75-1.1 s
-# for 613-919 tokens of Spec-Bench summarization, 6-9 target steps of the 2-core CPU, for a
-# request of 64 tokens that its n-gram and suffix chains served as well).
 PROBE_NEW_REQUESTS = True
 PROBE_MIN_REMAINING = 16
 PROBE_MAX_BATCH = 1
+# The share of a request's steps whose model-free voters have no chain (the steps its catch-up
+# is spread over, `plan_search.spread_steps`): its own request-steps, shrunk towards all
+# requests' with CHAINLESS_PRIOR_STEPS steps of weight; all requests' start at 1 of 2 and fade
+# with a time constant of CHAINLESS_MEMORY request-steps. Whether the voters have a chain does
+# not depend on the plan, so this cannot feed back on the models' own use (a share of steps
+# with the models, tried before, did: fewer model steps, dearer catch-ups, fewer model steps).
+CHAINLESS_PRIOR_STEPS = 4.0
+CHAINLESS_MEMORY = 1024.0
 # Standard errors of the upper confidence bound on the model plan's acceptance (see
 # `AcceptanceModel.global_acceptance`): 2 is a one-sided 98% bound. A few unlucky early drafts
 # (14 observations at 0.32 where the drafter's true first-position acceptance is 0.7, seen
@@ -235,6 +243,10 @@ class LengthController:
                        "with_models": 0, "in_hand_only": 0, "no_draft": 0,
                        "without_models_free_chain": 0, "without_models_no_chain": 0}
         self._last: dict[str, Any] = {}
+        # (request-steps planned without a model-free chain, request-steps): per request, and
+        # all requests' (decayed).
+        self._chainless: dict[str, list[float]] = {}
+        self._chainless_all = [1.0, 2.0]
 
     def band(self, band: int) -> BandEstimates:
         """The estimates of temperature band ``band`` (0: greedy)."""
@@ -303,6 +315,13 @@ class LengthController:
             self.band(band).free.observe(feedback)
         for (band, with_free), feedback in models.items():
             self.band(band).models[with_free].observe(feedback)
+        decay = 1.0 - 1.0 / CHAINLESS_MEMORY
+        for o in outcomes:
+            own = self._chainless.setdefault(o.req_id, [0.0, 0.0])
+            own[0] += not o.with_free
+            own[1] += 1.0
+            self._chainless_all = [decay * self._chainless_all[0] + (not o.with_free),
+                                   decay * self._chainless_all[1] + 1.0]
         pending, self._pending = self._pending, None
         if pending is not None:
             kind, predicted = pending
@@ -317,6 +336,8 @@ class LengthController:
 
     def forget(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
+        for req_id in req_ids:
+            self._chainless.pop(req_id, None)
         for estimates in self._bands.values():
             for model in estimates.acceptance_models():
                 model.forget(req_ids)
@@ -325,6 +346,12 @@ class LengthController:
         """The last plan's step was verified unseen (vLLM skipped propose after it): its outcome
         never comes, and its predicted drafts are not held against the next step's."""
         self._pending = None
+
+    def chainless(self, req_id: str) -> float:
+        """The expected share of ``req_id``'s steps whose model-free voters have no chain."""
+        everyone = self._chainless_all[0] / self._chainless_all[1]
+        own = self._chainless.get(req_id, [0.0, 0.0])
+        return (own[0] + CHAINLESS_PRIOR_STEPS * everyone) / (own[1] + CHAINLESS_PRIOR_STEPS)
 
     # -- costs ---------------------------------------------------------------------------------
     def _target(self, streaming: bool) -> StepCostModel:
@@ -405,7 +432,7 @@ class LengthController:
         acceptance, beats ``threshold``) but the mean estimates do not say so (or rest on too
         few observations to say anything), the models draft their first EXPLORE_DRAFT_TOKENS
         tokens for the requests cheapest to catch up with (EXPERIMENT_CATCH_UP_TOKENS of
-        catch-up in all, at least one request), if its price (what it loses by the mean
+        catch-up in all, at least one request, none with more), if its price (what it loses by the mean
         estimates, its catch-ups charged as in any plan) fits the exploration budget; the first
         experiment always does. When the optimistic plan does not beat ``threshold``, a batch of
         one request that the models never drafted for is probed the same way, within the same
@@ -413,17 +440,18 @@ class LengthController:
         optimistic = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
                                         self._model_curves(requests, caps, OPTIMISM), rho,
                                         verify_s, value, limit)
-        candidates = can_model
+        # An experiment is a guess: no request's prompt is prefilled in the drafters on it.
+        candidates = [i for i in can_model
+                      if total_catch_up(requests[i]) <= EXPERIMENT_CATCH_UP_TOKENS]
         if optimistic is None or optimistic.value <= threshold:
             # The population's estimate says no; a request the models never drafted for may
             # still differ from it (acceptance varies by request far more than by step).
-            candidates = [i for i in can_model if PROBE_NEW_REQUESTS
+            candidates = [i for i in candidates if PROBE_NEW_REQUESTS
                           and len(requests) <= PROBE_MAX_BATCH and self._unprobed(requests[i])
-                          and total_catch_up(requests[i]) <= EXPERIMENT_CATCH_UP_TOKENS
                           and (requests[i].remaining is None  # no max_tokens: long
                                or requests[i].remaining >= PROBE_MIN_REMAINING)]
-            if not candidates:
-                return None
+        if not candidates:
+            return None
         nd = self.num_worker_drafters
         rows: list[int] = []
         budget = EXPERIMENT_CATCH_UP_TOKENS
@@ -440,7 +468,8 @@ class LengthController:
         for i in rows:
             exp_tokens += expected(mean_curves[i], ks[i]) - expected(hand[i], hand_ks[i])
             tokens += ks[i] - hand_ks[i]
-            spread = spread_steps(requests[i].remaining, expected(mean_curves[i], ks[i]))
+            spread = spread_steps(requests[i].remaining, expected(mean_curves[i], ks[i]),
+                                  self.chainless(requests[i].req_id))
             for d, c in enumerate(catch_ups(requests[i], nd)):
                 catch_up[d] = catch_up[d] + charged_catch_up(c, self.max_lookahead, spread)
         max_k = max(ks.values())
@@ -586,7 +615,7 @@ class LengthController:
             while top < caps[i] and qs[top] > rho * verify_s:
                 top += 1
             top = min(top, caps[i])
-            spread = spread_steps(r.remaining, expected(qs, top))
+            spread = spread_steps(r.remaining, expected(qs, top), self.chainless(r.req_id))
             charged = [charged_catch_up(c, self.max_lookahead, spread) for c in catch_ups(r, nd)]
             # Ordering: what the request gains against its verification and its catch-up.
             net = expected(qs, top) - expected(hand[i], hand_ks[i]) - rho * (

@@ -408,3 +408,21 @@ def test_a_probe_needs_a_cheap_catch_up():
         c.forget(["a"])
         plan = c.plan([req("n", catch_up=catch_up, remaining=60)], K)
         assert (plan.mode == "explore" and plan.models) == probed, catch_up
+
+
+def test_a_catch_up_is_spread_over_the_steps_without_a_model_free_chain():
+    # The models draft where the voters have no chain: a request whose voters had a chain in
+    # most of its steps repays a long catch-up over few of them (and in no experiment either).
+    for with_chain, drafts in ((False, True), (True, False)):
+        c = measured()
+        teach(c, "r", models=0.8)
+        for _ in range(20):
+            c.observe([RequestOutcome("q", free=DrafterOutcome(2, 0, 1) if with_chain else None,
+                                      with_free=with_chain)])
+        assert c.chainless("q") == pytest.approx(0.11 if with_chain else 1.0, abs=0.01)
+        plan = c.plan([req("q", catch_up=600, remaining=500)], K)
+        assert bool(plan.models) == drafts, with_chain
+        # A short catch-up is a normal step's: charged in full either way, and it pays.
+        assert c.plan([req("q", catch_up=5, remaining=500)], K).models
+    c.forget(["q"])
+    assert "q" not in c._chainless

@@ -14,7 +14,8 @@ from vllm_smurfs.control.plan import PlanRequest, expected
 
 # A request's catch-up beyond a normal step's (a full accepted lookahead and its bonus token) is
 # an investment in its later steps: charged spread over the steps it is expected to still run
-# (its remaining tokens over its expected tokens per step), at most this many.
+# (its remaining tokens over its expected tokens per step, at most this many) in which its
+# voters have no chain (`spread_steps`).
 CATCH_UP_SPREAD_STEPS = 32
 
 
@@ -107,11 +108,16 @@ def marginal(curve: Any, tokens: float, span: int) -> float:
     return max(0.0, (curve(tokens + span) - curve(tokens)) / span)
 
 
-def spread_steps(remaining: int | None, tokens_per_step: float) -> float:
+def spread_steps(remaining: int | None, tokens_per_step: float, chainless: float = 1.0) -> float:
+    """The later steps a request's catch-up is spread over: the steps it is expected to still
+    run (at most CATCH_UP_SPREAD_STEPS) times ``chainless``, the share of them in which its
+    model-free voters are expected to have no chain (where the models draft; where a chain is
+    in hand they seldom do, and a catch-up charged as if they drafted in every later step was
+    seen paid for one or two)."""
     steps = float(CATCH_UP_SPREAD_STEPS)
     if remaining is not None:
         steps = min(steps, remaining / max(tokens_per_step, 1.0))
-    return max(1.0, steps)
+    return max(1.0, steps * min(1.0, max(0.0, chainless)))
 
 
 @dataclass(frozen=True)
