@@ -122,7 +122,8 @@ DRAFT_MARGIN = 0.03
 # the 613-919 tokens of Spec-Bench summarization prompts, 6-9 target steps of the 2-core CPU, for
 # requests of 64 tokens that their n-gram and suffix chains served as well). Its price (what it
 # loses by the mean estimates, its catch-ups charged as in any plan) is kept within
-# EXPLORE_BUDGET of the target time run so far plus EXPLORE_ALLOWANCE_S; the first experiment is always made.
+# EXPLORE_BUDGET of the target time run so far plus EXPLORE_ALLOWANCE_S; the first experiment
+# is always made.
 # (Under a simulated cold burst of 32 requests, a first model step for all of them on the prior
 # cost 8% of the run, for drafts that then did not pay. Charging an experiment's catch-ups in
 # full spent the budget on the first request's prompt, and that request then went without
@@ -434,9 +435,9 @@ class LengthController:
         tokens for the requests cheapest to catch up with (EXPERIMENT_CATCH_UP_TOKENS of
         catch-up in all, at least one request, none with more), if its price (what it loses by
         the mean estimates, its catch-ups charged as in any plan) fits the exploration budget;
-        the first experiment always does. When the optimistic plan does not beat ``threshold``, a batch of
-        one request that the models never drafted for is probed the same way, within the same
-        budget (see PROBE_NEW_REQUESTS)."""
+        the first experiment always does. When the optimistic plan does not beat ``threshold``,
+        a batch of one request that the models never drafted for is probed the same way, within
+        the same budget (see PROBE_NEW_REQUESTS)."""
         optimistic = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
                                         self._model_curves(requests, caps, OPTIMISM), rho,
                                         verify_s, value, limit)
