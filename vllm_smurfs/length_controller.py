@@ -50,7 +50,7 @@ as unused evidence ages); when only the optimistic value says it pays, it is tak
 predicted price of such steps stays within ``EXPLORE_BUDGET`` of the time run so far. At batch
 1 a request the models never drafted for is probed the same way even when the population's
 bound says no (``PROBE_NEW_REQUESTS``): one request's acceptance says little of the next one's.
-No experiment prefills a long prompt in the drafters on such a guess.
+At batch 1 no experiment prefills a long prompt in the drafters on such a guess.
 So the controller cannot lock the models out for good, and exploring cannot cost more than a few
 percent. The same holds for switching streaming drafters on again (`control.streaming_mode`).
 
@@ -117,13 +117,14 @@ DRAFT_MARGIN = 0.03
 # EVIDENCE_OBSERVATIONS observations: then their mean is mostly the prior, and catching a drafter
 # up with many requests, a prefill of each prompt in the drafter, would be an investment made on
 # a guess) drafts EXPLORE_DRAFT_TOKENS tokens for the requests cheapest to catch up with,
-# EXPERIMENT_CATCH_UP_TOKENS of catch-up in all (at least one request, none with more: an
-# experiment is a guess, and a long prompt's catch-up is a prefill in the drafter, 0.75-1.1 s for
-# the 613-919 tokens of Spec-Bench summarization prompts, 6-9 target steps of the 2-core CPU, for
-# requests of 64 tokens that their n-gram and suffix chains served as well). Its price (what it
-# loses by the mean estimates, its catch-ups charged as in any plan) is kept within
-# EXPLORE_BUDGET of the target time run so far plus EXPLORE_ALLOWANCE_S; the first experiment
-# is always made.
+# EXPERIMENT_CATCH_UP_TOKENS of catch-up in all (at least one request; at batch 1 none with
+# more: an experiment is a guess, and a long prompt's catch-up is a prefill in the drafter,
+# 0.75-1.1 s for the 613-919 tokens of Spec-Bench summarization prompts, 6-9 target steps of the
+# 2-core CPU, for requests of 64 tokens that their n-gram and suffix chains served as well; in a
+# batch the cheapest is taken whatever its catch-up, so that the models are tried under loads
+# whose prompts are all long). Its price (what it loses by the mean estimates, its catch-ups
+# charged as in any plan) is kept within EXPLORE_BUDGET of the target time run so far plus
+# EXPLORE_ALLOWANCE_S; the first experiment is always made.
 # (Under a simulated cold burst of 32 requests, a first model step for all of them on the prior
 # cost 8% of the run, for drafts that then did not pay. Charging an experiment's catch-ups in
 # full spent the budget on the first request's prompt, and that request then went without
@@ -433,17 +434,19 @@ class LengthController:
         acceptance, beats ``threshold``) but the mean estimates do not say so (or rest on too
         few observations to say anything), the models draft their first EXPLORE_DRAFT_TOKENS
         tokens for the requests cheapest to catch up with (EXPERIMENT_CATCH_UP_TOKENS of
-        catch-up in all, at least one request, none with more), if its price (what it loses by
-        the mean estimates, its catch-ups charged as in any plan) fits the exploration budget;
-        the first experiment always does. When the optimistic plan does not beat ``threshold``,
-        a batch of one request that the models never drafted for is probed the same way, within
-        the same budget (see PROBE_NEW_REQUESTS)."""
+        catch-up in all, at least one request; at batch 1 none with more), if its price (what
+        it loses by the mean estimates, its catch-ups charged as in any plan) fits the
+        exploration budget; the first experiment always does. When the optimistic plan does not
+        beat ``threshold``, a batch of one request that the models never drafted for is probed
+        the same way, within the same budget (see PROBE_NEW_REQUESTS)."""
         optimistic = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
                                         self._model_curves(requests, caps, OPTIMISM), rho,
                                         verify_s, value, limit)
-        # An experiment is a guess: no request's prompt is prefilled in the drafters on it.
-        candidates = [i for i in can_model
-                      if total_catch_up(requests[i]) <= EXPERIMENT_CATCH_UP_TOKENS]
+        # At batch 1 an experiment is a guess on one request: its prompt is not prefilled in the
+        # drafters on it. In a batch the cheapest request is taken whatever its catch-up, so that
+        # loads whose prompts are all long still try the models.
+        candidates = [i for i in can_model if len(requests) > PROBE_MAX_BATCH
+                      or total_catch_up(requests[i]) <= EXPERIMENT_CATCH_UP_TOKENS]
         if optimistic is None or optimistic.value <= threshold:
             # The population's estimate says no; a request the models never drafted for may
             # still differ from it (acceptance varies by request far more than by step).

@@ -426,3 +426,14 @@ def test_a_catch_up_is_spread_over_the_steps_without_a_model_free_chain():
         assert c.plan([req("q", catch_up=5, remaining=500)], K).models
     c.forget(["q"])
     assert "q" not in c._chainless
+
+
+def test_in_a_batch_of_long_prompts_the_models_are_still_tried():
+    # At batch 1 a long catch-up is never an experiment's; in a batch the cheapest request is
+    # taken whatever its catch-up (the first experiment is always made), or a load of long
+    # prompts would never try the models.
+    c = measured()
+    assert not c.plan([req("a", catch_up=600, remaining=60)], K).models
+    c = measured()
+    plan = c.plan([req("a", catch_up=600, remaining=60), req("b", catch_up=700, remaining=60)], K)
+    assert plan.mode == "explore" and plan.model_rows == [[0]]
