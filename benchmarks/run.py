@@ -174,6 +174,8 @@ class _OfflineChild:
     log_path: str
     job_path: str = ""
     events_path: str = ""
+    _events: list[dict[str, Any]] = field(default_factory=list)
+    _read_to: int = 0  # bytes of the events file parsed into _events
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "benchmarks.offline_worker", self.job_path,
@@ -186,10 +188,17 @@ class _OfflineChild:
             json.dump(self.job, f)
 
     def events(self) -> list[dict[str, Any]]:
+        """The worker's events so far; only lines written since the last call are parsed (the
+        interleaved parent polls this every 20 ms while another method is being timed)."""
         if not os.path.exists(self.events_path):
-            return []
-        with open(self.events_path) as f:
-            return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+            return self._events
+        with open(self.events_path, "rb") as f:
+            f.seek(self._read_to)
+            new = f.read()
+        complete = new[:new.rfind(b"\n") + 1]  # a line still being written waits
+        self._read_to += len(complete)
+        self._events.extend(json.loads(line) for line in complete.splitlines() if line.strip())
+        return self._events
 
 
 def _offline_child(spec: MethodSpec, config: dict[str, Any] | None, settings: RunSettings,
