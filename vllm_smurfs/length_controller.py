@@ -33,7 +33,7 @@ model draft pays most), against the chain in hand; the requests are added in the
 benefit and the best prefix is taken, priced with the measured forward costs (the first
 forward at the catch-up tokens it will compute; the seconds beyond a normal step's catch-up are
 an investment in the request's later steps, charged spread over those in which its voters are
-expected to have no chain, where the models draft: `CatchUpCharge`, `chainless`). A
+expected to have no chain, where the models draft: `CatchUpCharge`, `ChainlessShare`). A
 plan with drafts is taken only with a margin over the one without (``DRAFT_MARGIN``).
 
 **What it learns** (`control.acceptance`, `control.step_costs`), clean by construction: output
@@ -75,7 +75,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_smurfs.control.acceptance import AcceptanceModel, BandEstimates, ConfidenceCalibration
+from vllm_smurfs.control.acceptance import (
+    AcceptanceModel,
+    BandEstimates,
+    ChainlessShare,
+    ConfidenceCalibration,
+)
 from vllm_smurfs.control.drafting_rules import keep_drafting, wait_s
 from vllm_smurfs.control.feedback import DraftTiming, StepFeedback, StepTiming
 from vllm_smurfs.control.plan import (
@@ -147,14 +152,6 @@ EXPERIMENT_CATCH_UP_TOKENS = 256
 PROBE_NEW_REQUESTS = True
 PROBE_MIN_REMAINING = 16
 PROBE_MAX_BATCH = 1
-# The share of a request's steps whose model-free voters have no chain (the steps its catch-up
-# is spread over, `plan_search.spread_steps`): its own request-steps, shrunk towards all
-# requests' with CHAINLESS_PRIOR_STEPS steps of weight; all requests' start at 1 of 2 and fade
-# with a time constant of CHAINLESS_MEMORY request-steps. Whether the voters have a chain does
-# not depend on the plan, so this cannot feed back on the models' own use (a share of steps
-# with the models, tried before, did: fewer model steps, dearer catch-ups, fewer model steps).
-CHAINLESS_PRIOR_STEPS = 4.0
-CHAINLESS_MEMORY = 1024.0
 # Standard errors of the upper confidence bound on the model plan's acceptance (see
 # `AcceptanceModel.global_acceptance`): 2 is a one-sided 98% bound. A few unlucky early drafts
 # (14 observations at 0.32 where the drafter's true first-position acceptance is 0.7, seen
@@ -245,10 +242,7 @@ class LengthController:
                        "with_models": 0, "in_hand_only": 0, "no_draft": 0,
                        "without_models_free_chain": 0, "without_models_no_chain": 0}
         self._last: dict[str, Any] = {}
-        # (request-steps planned without a model-free chain, request-steps): per request, and
-        # all requests' (decayed).
-        self._chainless: dict[str, list[float]] = {}
-        self._chainless_all = [1.0, 2.0]
+        self.chainless = ChainlessShare()  # where the voters have no chain, per request
 
     def band(self, band: int) -> BandEstimates:
         """The estimates of temperature band ``band`` (0: greedy)."""
@@ -317,13 +311,8 @@ class LengthController:
             self.band(band).free.observe(feedback)
         for (band, with_free), feedback in models.items():
             self.band(band).models[with_free].observe(feedback)
-        decay = 1.0 - 1.0 / CHAINLESS_MEMORY
         for o in outcomes:
-            own = self._chainless.setdefault(o.req_id, [0.0, 0.0])
-            own[0] += not o.with_free
-            own[1] += 1.0
-            self._chainless_all = [decay * self._chainless_all[0] + (not o.with_free),
-                                   decay * self._chainless_all[1] + 1.0]
+            self.chainless.observe(o.req_id, o.with_free)
         pending, self._pending = self._pending, None
         if pending is not None:
             kind, predicted = pending
@@ -338,8 +327,7 @@ class LengthController:
 
     def forget(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
-        for req_id in req_ids:
-            self._chainless.pop(req_id, None)
+        self.chainless.forget(req_ids)
         for estimates in self._bands.values():
             for model in estimates.acceptance_models():
                 model.forget(req_ids)
@@ -348,12 +336,6 @@ class LengthController:
         """The last plan's step was verified unseen (vLLM skipped propose after it): its outcome
         never comes, and its predicted drafts are not held against the next step's."""
         self._pending = None
-
-    def chainless(self, req_id: str) -> float:
-        """The expected share of ``req_id``'s steps whose model-free voters have no chain."""
-        everyone = self._chainless_all[0] / self._chainless_all[1]
-        own = self._chainless.get(req_id, [0.0, 0.0])
-        return (own[0] + CHAINLESS_PRIOR_STEPS * everyone) / (own[1] + CHAINLESS_PRIOR_STEPS)
 
     # -- costs ---------------------------------------------------------------------------------
     def _target(self, streaming: bool) -> StepCostModel:

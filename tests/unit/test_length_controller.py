@@ -425,7 +425,7 @@ def test_a_catch_up_is_spread_over_the_steps_without_a_model_free_chain():
         # A short catch-up is a normal step's: charged in full either way, and it pays.
         assert c.plan([req("q", catch_up=5, remaining=500)], K).models
     c.forget(["q"])
-    assert "q" not in c._chainless
+    assert "q" not in c.chainless.requests
 
 
 def test_in_a_batch_of_long_prompts_the_models_are_still_tried():

@@ -1,7 +1,8 @@
 """Acceptance estimation, learnt online from what the target accepted: per position conditional
 acceptance of drafts, per request with a global prior (:class:`AcceptanceModel`), with an
 optimistic bound for exploration; and the calibration of a drafter's own probabilities
-(:class:`ConfidenceCalibration`), which the in-worker stop rule reads.
+(:class:`ConfidenceCalibration`), which the in-worker stop rule reads; and how often a request's
+model-free voters have no chain (:class:`ChainlessShare`), where the models draft.
 
 Pure module (stdlib only).
 """
@@ -343,3 +344,39 @@ class BandEstimates:
 
     def acceptance_models(self) -> list[AcceptanceModel]:
         return [self.free, *self.models.values()]
+
+
+# The share of a request's steps whose model-free voters have no chain (the steps its catch-up
+# is spread over, `plan_search.spread_steps`): its own request-steps, shrunk towards all
+# requests' with CHAINLESS_PRIOR_STEPS steps of weight; all requests' start at 1 of 2 and fade
+# with a time constant of CHAINLESS_MEMORY request-steps. Whether the voters have a chain does
+# not depend on the plan, so this cannot feed back on the models' own use (a share of steps
+# with the models, tried before, did: fewer model steps, dearer catch-ups, fewer model steps).
+CHAINLESS_PRIOR_STEPS = 4.0
+CHAINLESS_MEMORY = 1024.0
+
+
+class ChainlessShare:
+    """(request-steps planned without a model-free chain, request-steps): per request, and all
+    requests' (decayed); see CHAINLESS_PRIOR_STEPS."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, list[float]] = {}
+        self._all = [1.0, 2.0]
+
+    def observe(self, req_id: str, with_chain: bool) -> None:
+        own = self.requests.setdefault(req_id, [0.0, 0.0])
+        own[0] += not with_chain
+        own[1] += 1.0
+        decay = 1.0 - 1.0 / CHAINLESS_MEMORY
+        self._all = [decay * self._all[0] + (not with_chain), decay * self._all[1] + 1.0]
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
+
+    def __call__(self, req_id: str) -> float:
+        """The expected share of ``req_id``'s steps whose model-free voters have no chain."""
+        everyone = self._all[0] / self._all[1]
+        own = self.requests.get(req_id, [0.0, 0.0])
+        return (own[0] + CHAINLESS_PRIOR_STEPS * everyone) / (own[1] + CHAINLESS_PRIOR_STEPS)
