@@ -127,9 +127,9 @@ class CatchUpCharge:
     in later steps charged at ``amortized`` / (``full`` - ``normal``): the sum over its requests
     of their extra tokens over their spread, so each request's extra is charged ``1 / spread``
     of what it costs. Priced in seconds on the drafter's measured curve, at the tokens it will
-    really compute (`seconds`): a curve with a large fixed cost per forward (flat up to ~50
-    tokens on the 2-core CPU, then ~1.2 ms a token) charged a spread share of the tokens
-    priced a 710-token catch-up (0.87 s) at about a third of its spread share."""
+    really compute (`seconds`). Spreading the tokens instead and pricing the share on the curve,
+    which has a large fixed cost per forward (flat up to ~50 tokens on the 2-core CPU, then
+    ~1.2 ms a token), charged a 710-token catch-up (0.87 s) about a third of its spread share."""
 
     normal: float = 0.0
     full: float = 0.0
