@@ -41,8 +41,10 @@ tokens only; the lookaheads as verified; the prompt tokens of each step from the
 (`StepTiming`); cost curves that no single slow call sets (a first call builds oneDNN primitives or
 compiles), seeded by the in-worker drafters' warm-up, that forget old observations and are made
 monotone by lowering a slow point rather than raising the points after it; acceptance per plan, per
-context and per request. The arithmetic of plans (the greedy path, catch-up charges) is
-`control.plan_search`; the fixed policy is `control.fixed`.
+context and per request. One step's plans are searched and priced by `control.planner`
+(`StepSearch`, given these estimates), with the arithmetic of `control.plan_search`; this
+module decides between them (evidence, exploration, probes), learns and reports. The fixed
+policy is `control.fixed`.
 
 **Exploration** is optimistic and bounded: the model plan is also valued with an upper
 confidence bound of its acceptance (wide where it has seldom been verified, and widening again
@@ -89,34 +91,27 @@ from vllm_smurfs.control.plan import (
     PlanRequest,
     RequestOutcome,
     cumulative,
-    expected,
 )
 from vllm_smurfs.control.plan_search import (
-    CatchUpCharge,
     ModelChoice,
     Point,
     catch_ups,
-    charged_catch_up,
-    checkpoint_sizes,
     greedy_path,
-    ks_of_path,
-    marginal,
     scaled,
-    spread_steps,
     total_catch_up,
+)
+from vllm_smurfs.control.planner import (
+    DRAFT_MARGIN,
+    EXPERIMENT_CATCH_UP_TOKENS,
+    StepSearch,
 )
 from vllm_smurfs.control.step_costs import DraftCostModel, StepCostModel
 from vllm_smurfs.control.streaming_mode import DWELL_STEPS as DWELL_STEPS_PRICE
 from vllm_smurfs.control.streaming_mode import StreamingSwitch
 
-__all__ = ["DRAFT_MARGIN", "EXPLORE_BUDGET", "LengthController"]
+__all__ = ["DRAFT_MARGIN", "EXPERIMENT_CATCH_UP_TOKENS", "EXPLORE_BUDGET",
+           "LengthController"]
 
-# A plan with drafts must promise this much more than the plan without them (the model plan over
-# the plan in hand, drafting over not drafting), as a share of the step's worth: predictions
-# carry errors of a few percent (acceptance from a request's last steps, step costs that
-# drift), and under load, where speculation breaks even at best on a 2-core CPU, a plan that
-# only ties pays for them.
-DRAFT_MARGIN = 0.03
 # Exploration: an experiment with the model drafters (taken when only the optimistic estimate of
 # their acceptance says they pay, or when their estimates still rest on fewer than
 # EVIDENCE_OBSERVATIONS observations: then their mean is mostly the prior, and catching a drafter
@@ -129,16 +124,15 @@ DRAFT_MARGIN = 0.03
 # batch the cheapest is taken whatever its catch-up, so that the models are tried under loads
 # whose prompts are all long). Its price (what it loses by the mean estimates, its catch-ups
 # charged as in any plan) is kept within EXPLORE_BUDGET of the target time run so far plus
-# EXPLORE_ALLOWANCE_S; the first experiment is always made.
+# EXPLORE_ALLOWANCE_S; the first experiment is always made. (The experiment's shape and
+# DRAFT_MARGIN, the margin every plan with drafts must clear, are `control.planner`'s.)
 # (Under a simulated cold burst of 32 requests, a first model step for all of them on the prior
 # cost 8% of the run, for drafts that then did not pay. Charging an experiment's catch-ups in
 # full spent the budget on the first request's prompt, and that request then went without
 # drafts for 9 of its 37 steps on the real models.)
 EXPLORE_BUDGET = 0.02
 EXPLORE_ALLOWANCE_S = 0.25
-EXPLORE_DRAFT_TOKENS = 2
 EVIDENCE_OBSERVATIONS = 8.0
-EXPERIMENT_CATCH_UP_TOKENS = 256
 # Probes: at batch 1, a request the models have never drafted for is an experiment candidate
 # even when the population's optimistic estimate says no (the same budget bounds it): requests
 # differ far more than steps of one request do (in one Spec-Bench pass, the first chat prompt's
@@ -158,13 +152,6 @@ PROBE_MAX_BATCH = 1
 # replaying a recorded trace at 4 requests) must not settle the question; the budget bounds
 # what the optimism costs.
 OPTIMISM = 2.0
-# A plan may verify at most twice the tokens of the step without drafts, and 8 more, beyond the
-# largest token count the target's curve has measured: where nothing is measured the curve is
-# extrapolated optimistically (flat), and at 32 requests a first plan of 6 drafts each would
-# price 224 tokens like 32 (a tenfold error, seen in the simulator). Each step measured widens
-# the region, so a plan grows to its size within a few steps.
-TRUST_FACTOR = 2.0
-TRUST_TOKENS = 8
 # Predicted against realized: the drafts a plan is predicted to get accepted against those
 # accepted, summed over the last ~32 steps of each kind (in hand, with the model drafters) with
 # a prior of 4 tokens each way. Plans are taken where their estimates are high, so on average
@@ -351,21 +338,6 @@ class LengthController:
             t = max(t, self.target_cost_streaming(tokens))
         return t
 
-    def _models_s(self, catch_up: Sequence[CatchUpCharge], num_rows: int, max_k: int) -> float:
-        """Seconds the model drafters take for ``num_rows`` requests drafted up to ``max_k``
-        tokens: each in-worker drafter's first forward (``catch_up[d]``, charged as
-        `CatchUpCharge.seconds` says) and ``max_k - 1`` extensions; a synchronous drafter's
-        call."""
-        if num_rows <= 0 or max_k <= 0:
-            return 0.0
-        total = 0.0
-        for d, cost in enumerate(self.pass_costs):
-            if catch_up[d].full > 0:
-                total += catch_up[d].seconds(cost) + (max_k - 1) * cost(num_rows)
-        if self.sync_drafters:
-            total += self.draft_cost(max_k, num_rows)
-        return total
-
     # -- planning ------------------------------------------------------------------------------
     def plan(self, requests: Sequence[PlanRequest], max_lookahead: int, *,
              prompt_pending: bool = False) -> Plan:
@@ -397,7 +369,7 @@ class LengthController:
         can_model = [i for i in range(n) if caps[i] > 0 and (
             any(c is not None for c in requests[i].catch_up[:nd]) or self.sync_drafters)]
         if self.target_cost.is_empty and self.target_cost_streaming.is_empty:
-            plan = self._warmup_plan(requests, caps, can_model, streaming)
+            plan = self._warmup_plan(requests, caps, streaming)
         else:
             plan = self._best_plan(requests, caps, can_model, streaming)
             self._pending = ("models" if plan.models or plan.sync_rows else "hand",
@@ -406,65 +378,88 @@ class LengthController:
         self._count(requests, plan)
         return plan
 
-    def _explore(self, requests: Sequence[PlanRequest], caps: list[int], lows: list[int],
-                 can_model: list[int], hand: list[list[float]], hand_ks: list[int],
-                 mean_curves: list[list[float]], rho: float, verify_s: float, value: Any,
-                 limit: float, threshold: float) -> ModelChoice | None:
+    def _search(self, requests: Sequence[PlanRequest], caps: list[int],
+                streaming: bool) -> StepSearch:
+        """This step's plan search, on the estimates and curves learnt so far."""
+        return StepSearch(
+            requests, caps, self._hand_curves(requests, caps, streaming),
+            target=lambda tokens: self._target_s(tokens, streaming),
+            target_max_tokens=self._target(streaming).max_tokens, prompt=self._prompt,
+            overhead_s=self._overhead_s, pass_costs=self.pass_costs,
+            sync_cost=self.draft_cost if self.sync_drafters else None, chainless=self.chainless,
+            max_lookahead=self.max_lookahead, min_lookahead=self.min_lookahead,
+            force_models=self.force_models)
+
+    def _best_plan(self, requests: Sequence[PlanRequest], caps: list[int], can_model: list[int],
+                   streaming: bool) -> Plan:
+        search = self._search(requests, caps, streaming)
+        choice, mode = None, "in-hand" if search.in_hand else "none"
+        if self.has_models and can_model and (self.num_worker_drafters or self.sync_drafters):
+            mean_curves = self._model_curves(requests, caps, 0.0)
+            if self.force_models:
+                choice = search.model_choice(can_model, mean_curves)
+                mode = "models"
+            else:
+                # The mean decides only where it rests on observations, and the forwards on
+                # measured costs; the rest is an experiment.
+                priced = all(not cost.is_empty for cost in self.pass_costs)
+                evident = [i for i in can_model if priced and self._models_acceptance(
+                    requests[i]).global_trials()[0] >= EVIDENCE_OBSERVATIONS]
+                mean = search.model_choice(evident, mean_curves)
+                if mean is not None and mean.value - search.hand_value > search.margin:
+                    choice, mode = mean, "models"
+                else:
+                    choice = self._explore(search, can_model, mean_curves)
+                    mode = mode if choice is None else "explore"
+        if self.switch is not None:
+            self._decide_streaming(requests, caps, search.rho, search.hand_value, search.margin)
+        n = len(requests)
+        if choice is None:
+            ks = search.hand_ks
+            gains = {i: search.hand[i] for i, r in enumerate(requests)
+                     if streaming and r.streamed_len > 0 and ks[i] > 0}
+            point = search.hand_point
+            self._last = {"mode": mode, "rho": search.rho, "value": search.hand_value,
+                          "expected_tokens": point.expected, "num_reqs": n,
+                          "prompt_tokens": search.prompt}
+            return Plan(lookaheads=ks, model_rows=[[] for _ in range(self.num_worker_drafters)],
+                        streaming=self.streaming, rho=search.rho, verify_s=search.verify_s,
+                        mode=mode, expected_tokens=point.expected,
+                        step_seconds=search.seconds(point), gains=gains)
+        return self._model_plan(search, choice, mode)
+
+    def _explore(self, search: StepSearch, can_model: list[int],
+                 mean_curves: list[list[float]]) -> ModelChoice | None:
         """An experiment with the model drafters, or None.
 
         When model drafting may pay in this step (its plan, valued with the optimistic
-        acceptance, beats ``threshold``) but the mean estimates do not say so (or rest on too
-        few observations to say anything), the models draft their first EXPLORE_DRAFT_TOKENS
-        tokens for the requests cheapest to catch up with (EXPERIMENT_CATCH_UP_TOKENS of
-        catch-up in all, at least one request; at batch 1 none with more), if its price (what
-        it loses by the mean estimates, its catch-ups charged as in any plan) fits the
-        exploration budget; the first experiment always does. When the optimistic plan does not
-        beat ``threshold``, a batch of one request that the models never drafted for is probed
-        the same way, within the same budget (see PROBE_NEW_REQUESTS)."""
-        optimistic = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
-                                        self._model_curves(requests, caps, OPTIMISM), rho,
-                                        verify_s, value, limit)
+        acceptance, beats the plan in hand by the margin) but the mean estimates do not say so
+        (or rest on too few observations to say anything), the models draft their first few
+        tokens for the requests cheapest to catch up with (`StepSearch.experiment`; at batch 1
+        none with more than EXPERIMENT_CATCH_UP_TOKENS), if its price (what it loses by the
+        mean estimates, its catch-ups charged as in any plan) fits the exploration budget; the
+        first experiment always does. When the optimistic plan does not beat the plan in hand,
+        a batch of one request that the models never drafted for is probed the same way,
+        within the same budget (see PROBE_NEW_REQUESTS)."""
+        requests = search.requests
+        optimistic = search.model_choice(
+            can_model, self._model_curves(requests, search.caps, OPTIMISM))
         # At batch 1 an experiment is a guess on one request: its prompt is not prefilled in the
         # drafters on it. In a batch the cheapest request is taken whatever its catch-up, so that
         # loads whose prompts are all long still try the models.
         candidates = [i for i in can_model if len(requests) > PROBE_MAX_BATCH
                       or total_catch_up(requests[i]) <= EXPERIMENT_CATCH_UP_TOKENS]
-        if optimistic is None or optimistic.value <= threshold:
+        if optimistic is None or optimistic.value <= search.hand_value + search.margin:
             # The population's estimate says no; a request the models never drafted for may
             # still differ from it (acceptance varies by request far more than by step).
             candidates = [i for i in candidates if PROBE_NEW_REQUESTS
                           and len(requests) <= PROBE_MAX_BATCH and self._unprobed(requests[i])
                           and (requests[i].remaining is None  # no max_tokens: long
                                or requests[i].remaining >= PROBE_MIN_REMAINING)]
-        if not candidates:
+        experiment = search.experiment(candidates, mean_curves)
+        if experiment is None:
             return None
-        nd = self.num_worker_drafters
-        rows: list[int] = []
-        budget = EXPERIMENT_CATCH_UP_TOKENS
-        for i in sorted(candidates, key=lambda i: total_catch_up(requests[i])):
-            cost = total_catch_up(requests[i])
-            if rows and cost > budget:
-                break
-            rows.append(i)
-            budget -= cost
-        ks = {i: max(min(caps[i], EXPLORE_DRAFT_TOKENS), min(lows[i], caps[i])) for i in rows}
-        exp_tokens = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
-        tokens = float(sum(1 + k for k in hand_ks))
-        catch_up = [CatchUpCharge()] * nd
-        for i in rows:
-            exp_tokens += expected(mean_curves[i], ks[i]) - expected(hand[i], hand_ks[i])
-            tokens += ks[i] - hand_ks[i]
-            spread = spread_steps(requests[i].remaining, expected(mean_curves[i], ks[i]),
-                                  self.chainless(requests[i].req_id))
-            for d, c in enumerate(catch_ups(requests[i], nd)):
-                catch_up[d] = catch_up[d] + charged_catch_up(c, self.max_lookahead, spread)
-        max_k = max(ks.values())
-        extra = self._models_s(catch_up, len(rows), max_k)
-        experiment = ModelChoice(rows, ks, value(Point(exp_tokens, tokens, extra)),
-                                  exp_tokens, tokens, extra)
-        hand_value = value(Point(sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True)),
-                                  float(sum(1 + k for k in hand_ks))))
-        price_s = max(0.0, hand_value - experiment.value) / max(rho, 1e-9)
+        price_s = search.experiment_price_s(experiment)
         if self.counts["explore_steps"] and (self.explore_spent_s + price_s
                                              > self._explore_allowance()):
             return None
@@ -505,154 +500,8 @@ class LengthController:
         return [scaled(cumulative(self._models_acceptance(r).request_acceptance(
             r.req_id, optimism), cap), f) for r, cap in zip(requests, caps, strict=True)]
 
-    def _best_plan(self, requests: Sequence[PlanRequest], caps: list[int], can_model: list[int],
-                   streaming: bool) -> Plan:
-        n = len(requests)
-        prompt = self._prompt
-        overhead = self._overhead_s
-        lows = [min(self.min_lookahead, c) for c in caps]
-
-        def target(tokens: float) -> float:
-            return self._target_s(tokens, streaming)
-
-        hand = self._hand_curves(requests, caps, streaming)
-        limit = max(self._target(streaming).max_tokens,
-                    TRUST_FACTOR * (n + prompt) + TRUST_TOKENS) - prompt
-        path = [p for p in greedy_path(hand, [0] * n) if p.tokens <= limit] or \
-            greedy_path(hand, [0] * n)[:1]
-        # rho: the best rate of a step of this batch without its prompt chunk (at least the rate
-        # without drafting), on the plan in hand.
-        rho = max(p.expected / max(target(p.tokens) + overhead, 1e-9) for p in path)
-
-        def value(p: Point, with_prompt: bool = True) -> float:
-            return p.expected - rho * (target(p.tokens + (prompt if with_prompt else 0.0))
-                                       + overhead + p.extra_s)
-
-        none_value = value(path[0])
-        # The margin is a share of the decode step's worth: the prompt chunk's time is the same
-        # in every plan of the step and carries no error of the plan's.
-        margin = DRAFT_MARGIN * rho * (target(path[0].tokens) + overhead)
-        best_i = max(range(len(path)), key=lambda i: value(path[i]))
-        if value(path[best_i]) - none_value < margin:
-            best_i = 0
-        hand_point = path[best_i]
-        hand_ks = ks_of_path(hand, best_i)
-        hand_value = value(hand_point)
-        verify_s = marginal(target, hand_point.tokens + prompt, max(1, n))
-
-        choice, mode = None, "in-hand" if best_i else "none"
-        if self.has_models and can_model and (self.num_worker_drafters or self.sync_drafters):
-            mean_curves = self._model_curves(requests, caps, 0.0)
-            if self.force_models:
-                choice = self._model_choice(requests, caps, lows, can_model, hand, hand_ks,
-                                            mean_curves, rho, verify_s, value, limit)
-                mode = "models"
-            else:
-                # The mean decides only where it rests on observations, and the forwards on
-                # measured costs; the rest is an experiment.
-                priced = all(not cost.is_empty for cost in self.pass_costs)
-                evident = [i for i in can_model if priced and self._models_acceptance(
-                    requests[i]).global_trials()[0] >= EVIDENCE_OBSERVATIONS]
-                mean = self._model_choice(requests, caps, lows, evident, hand, hand_ks,
-                                          mean_curves, rho, verify_s, value, limit)
-                if mean is not None and mean.value - hand_value > margin:
-                    choice, mode = mean, "models"
-                else:
-                    choice = self._explore(requests, caps, lows, can_model, hand, hand_ks,
-                                           mean_curves, rho, verify_s, value, limit,
-                                           hand_value + margin)
-                    mode = mode if choice is None else "explore"
-        if self.switch is not None:
-            self._decide_streaming(requests, caps, rho, hand_value, margin)
-        if choice is None:
-            ks = hand_ks
-            gains = {i: hand[i] for i, r in enumerate(requests)
-                     if streaming and r.streamed_len > 0 and ks[i] > 0}
-            self._last = {"mode": mode, "rho": rho, "value": hand_value,
-                          "expected_tokens": hand_point.expected, "num_reqs": n,
-                          "prompt_tokens": prompt}
-            return Plan(lookaheads=ks, model_rows=[[] for _ in range(self.num_worker_drafters)],
-                        streaming=self.switch.on if self.switch is not None else False,
-                        rho=rho, verify_s=verify_s, mode=mode,
-                        expected_tokens=hand_point.expected,
-                        step_seconds=target(hand_point.tokens + prompt) + overhead, gains=gains)
-        return self._model_plan(requests, caps, hand_ks, choice, rho, verify_s, mode, target,
-                                prompt, overhead, streaming)
-
-    def _model_choice(self, requests: Sequence[PlanRequest], caps: list[int], lows: list[int],
-                      can_model: list[int], hand: list[list[float]], hand_ks: list[int],
-                      curves: list[list[float]], rho: float, verify_s: float, value: Any,
-                      limit: float) -> ModelChoice | None:
-        """The best model plan: requests added by decreasing benefit, at every common draft
-        length ``K``; the best (prefix, ``K``) taken.
-
-        A request's model draft goes as far as a token's chance beats its verification (the
-        stop rule decides while drafting; here at most ``K``); the forwards are priced as they
-        run: the first over every drafted request's catch-up, then ``K - 1`` extensions. Plans of
-        more than ``limit`` target tokens are not taken (see TRUST_FACTOR)."""
-        nd = self.num_worker_drafters
-        base_expected = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
-        base_tokens = float(sum(1 + k for k in hand_ks))
-        cands = []
-        for i in can_model:
-            r = requests[i]
-            qs = curves[i]
-            top = max(lows[i], 1)
-            while top < caps[i] and qs[top] > rho * verify_s:
-                top += 1
-            top = min(top, caps[i])
-            spread = spread_steps(r.remaining, expected(qs, top), self.chainless(r.req_id))
-            charged = [charged_catch_up(c, self.max_lookahead, spread) for c in catch_ups(r, nd)]
-            # Ordering: what the request gains against its verification and its catch-up.
-            net = expected(qs, top) - expected(hand[i], hand_ks[i]) - rho * (
-                verify_s * (top - hand_ks[i]) + sum(
-                    max(0.0, c.seconds(cost) - cost(1)) for cost, c in zip(self.pass_costs,
-                                                                          charged, strict=True)))
-            cands.append((net, i, top, charged))
-        if not cands:
-            return None
-        cands.sort(key=lambda c: -c[0])
-        longest = max(top for _, _, top, _ in cands)
-        checkpoints = checkpoint_sizes(len(cands))
-        best_at: tuple[int, int] | None = None  # (K, prefix length) of the best so far
-        best_value = 0.0
-        for K in range(1, longest + 1):
-            exp_tokens, tokens = base_expected, base_tokens
-            catch_up = [CatchUpCharge()] * nd
-            max_k = 0
-            for m, (net, i, top, charged) in enumerate(cands, 1):
-                if net <= 0 and m > 1 and not self.force_models:
-                    break
-                k = max(min(top, K), min(lows[i], caps[i]))
-                exp_tokens += expected(curves[i], k) - expected(hand[i], hand_ks[i])
-                tokens += k - hand_ks[i]
-                for d in range(nd):
-                    catch_up[d] = catch_up[d] + charged[d]
-                max_k = max(max_k, k)
-                if tokens > limit and not self.force_models:
-                    break
-                if m not in checkpoints and m < len(cands):
-                    continue
-                v = value(Point(exp_tokens, tokens, self._models_s(catch_up, m, max_k)))
-                if best_at is None or v > best_value or (self.force_models and m > best_at[1]):
-                    best_at, best_value = (K, m), v
-        if best_at is None:
-            return None
-        K, m = best_at
-        rows = [i for _, i, _, _ in cands[:m]]
-        ks = {i: max(min(top, K), min(lows[i], caps[i])) for _, i, top, _ in cands[:m]}
-        exp_tokens = base_expected + sum(expected(curves[i], k) - expected(hand[i], hand_ks[i])
-                                         for i, k in ks.items())
-        tokens = base_tokens + sum(k - hand_ks[i] for i, k in ks.items())
-        charged = [sum((c[3][d] for c in cands[:m]), CatchUpCharge()) for d in range(nd)]
-        max_k = max(ks.values())
-        extra = self._models_s(charged, m, max_k)
-        best = ModelChoice(rows, ks, best_value, exp_tokens, tokens, extra)
-        return best
-
-    def _model_plan(self, requests: Sequence[PlanRequest], caps: list[int], hand_ks: list[int],
-                    choice: ModelChoice, rho: float, verify_s: float, mode: str, target: Any,
-                    prompt: float, overhead: float, streaming: bool) -> Plan:
+    def _model_plan(self, search: StepSearch, choice: ModelChoice, mode: str) -> Plan:
+        requests = search.requests
         n = len(requests)
         nd = self.num_worker_drafters
         rows = set(choice.rows)
@@ -660,25 +509,25 @@ class LengthController:
                       for d in range(nd)]
         # Model rows draft up to their cap (the stop rule ends each draft); the others keep the
         # chain in hand.
-        ks = [(choice.ks[i] if mode == "explore" else caps[i]) if i in rows else hand_ks[i]
-              for i in range(n)]
-        seconds = target(choice.tokens + prompt) + overhead + choice.extra_s
+        ks = [(choice.ks[i] if mode == "explore" else search.caps[i]) if i in rows
+              else search.hand_ks[i] for i in range(n)]
+        seconds = search.seconds(Point(choice.expected, choice.tokens, choice.extra_s))
         # The step's own rate without its prompt chunk, if better than the plan in hand's: the
         # stop rule weighs each further token against it.
-        own = choice.expected / max(target(choice.tokens) + overhead + choice.extra_s, 1e-9)
-        rho_plan = max(rho, own)
+        own = choice.expected / max(search.target(choice.tokens) + search.overhead_s
+                                    + choice.extra_s, 1e-9)
+        rho_plan = max(search.rho, own)
         self._last = {"mode": mode, "rho": rho_plan, "value": choice.value,
                       "expected_tokens": choice.expected, "num_reqs": n,
-                      "model_rows": len(rows), "prompt_tokens": prompt,
+                      "model_rows": len(rows), "prompt_tokens": search.prompt,
                       "explore_spent_s": self.explore_spent_s}
-        return Plan(lookaheads=ks, model_rows=model_rows,
-                    streaming=self.switch.on if self.switch is not None else False,
+        return Plan(lookaheads=ks, model_rows=model_rows, streaming=self.streaming,
                     sync_rows=sorted(rows) if self.sync_drafters else [], rho=rho_plan,
-                    verify_s=verify_s, mode=mode, expected_tokens=choice.expected,
+                    verify_s=search.verify_s, mode=mode, expected_tokens=choice.expected,
                     step_seconds=seconds, draft_lens=dict(choice.ks))
 
     def _warmup_plan(self, requests: Sequence[PlanRequest], caps: list[int],
-                     can_model: list[int], streaming: bool) -> Plan:
+                     streaming: bool) -> Plan:
         """Before the target's step has been timed once (the engine's first decode step): the
         chains in hand in full, no model drafter (nothing can be priced yet, and under a cold
         burst a first model step would prefill every prompt in the drafter at once)."""

@@ -357,6 +357,7 @@ _PKG = Path(__file__).resolve().parents[2] / "vllm_smurfs"
 
 
 PURE_MODULES = ["vote_sampler.py", "length_controller.py", "control/plan_search.py",
+                "control/planner.py",
                 "control/fixed.py", "control/feedback.py", "control/acceptance.py",
                 "control/drafting_rules.py", "control/step_costs.py", "control/plan.py",
                 "control/streaming_mode.py", "control/model_drafting.py", "drafters/model_free.py",
