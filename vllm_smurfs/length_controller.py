@@ -82,6 +82,7 @@ from vllm_smurfs.control.acceptance import (
     BandEstimates,
     ChainlessShare,
     ConfidenceCalibration,
+    PlanYield,
 )
 from vllm_smurfs.control.drafting_rules import keep_drafting, wait_s
 from vllm_smurfs.control.feedback import DraftTiming, StepFeedback, StepTiming
@@ -152,13 +153,6 @@ PROBE_MAX_BATCH = 1
 # replaying a recorded trace at 4 requests) must not settle the question; the budget bounds
 # what the optimism costs.
 OPTIMISM = 2.0
-# Predicted against realized: the drafts a plan is predicted to get accepted against those
-# accepted, summed over the last ~32 steps of each kind (in hand, with the model drafters) with
-# a prior of 4 tokens each way. Plans are taken where their estimates are high, so on average
-# they are overestimated there (the winner's curse: at 32 requests a predicted gain of 7% came
-# out as a loss of 4% in the simulator); the ratio scales each kind's chances back.
-_YIELD_MEMORY = 32.0
-_YIELD_PRIOR_TOKENS = 4.0
 # Prompt-chunk tokens of the next step are predicted from the last steps' exact counts, weight
 # 0.5 on the last: chunked prefills come in runs of a few steps.
 _PROMPT_SMOOTHING = 0.5
@@ -219,9 +213,8 @@ class LengthController:
         self._overhead_s = 0.0
         self._elapsed_s = 0.0  # target seconds observed so far
         self.explore_spent_s = 0.0
-        # Per kind of plan ("hand", "models"): decayed sums of predicted and accepted drafts.
-        self._yield = {kind: [_YIELD_PRIOR_TOKENS, _YIELD_PRIOR_TOKENS]
-                       for kind in ("hand", "models")}
+        # Per kind of plan ("hand", "models"): predicted against accepted drafts.
+        self._yield = {kind: PlanYield() for kind in ("hand", "models")}
         self._pending: tuple[str, float] | None = None  # the last plan's kind, predicted drafts
         self.steps = 0
         self.counts = {"steps_with_models": 0, "explore_steps": 0, "prompt_pending_steps": 0,
@@ -303,11 +296,8 @@ class LengthController:
         pending, self._pending = self._pending, None
         if pending is not None:
             kind, predicted = pending
-            accepted = sum(o.voted[1] for o in outcomes if o.voted is not None)
-            sums = self._yield[kind]
-            decay = 1.0 - 1.0 / _YIELD_MEMORY
-            sums[0] = decay * sums[0] + predicted
-            sums[1] = decay * sums[1] + accepted
+            self._yield[kind].observe(
+                predicted, sum(o.voted[1] for o in outcomes if o.voted is not None))
         if self.switch is not None and self.switch.on:
             # How many of the step's requests had model drafts in their vote.
             self.switch.observe_delivery(sum(o.models for o in outcomes), len(outcomes))
@@ -371,9 +361,11 @@ class LengthController:
         if self.target_cost.is_empty and self.target_cost_streaming.is_empty:
             plan = self._warmup_plan(requests, caps, streaming)
         else:
+            for plan_yield in self._yield.values():
+                plan_yield.tick()
             plan = self._best_plan(requests, caps, can_model, streaming)
-            self._pending = ("models" if plan.models or plan.sync_rows else "hand",
-                             max(0.0, plan.expected_tokens - n))
+            kind = "models" if plan.models or plan.sync_rows else "hand"
+            self._pending = (kind, max(0.0, plan.expected_tokens - n))
         plan.bands = [r.band for r in requests]
         self._count(requests, plan)
         return plan
@@ -473,9 +465,8 @@ class LengthController:
                    for model in self.band(request.band).models.values())
 
     def yield_factor(self, kind: str) -> float:
-        """Accepted over predicted drafts of the recent plans of ``kind`` (see _YIELD_MEMORY)."""
-        predicted, accepted = self._yield[kind]
-        return accepted / predicted
+        """Accepted over predicted drafts of the recent plans of ``kind`` (`PlanYield`)."""
+        return self._yield[kind].factor
 
     def _hand_curves(self, requests: Sequence[PlanRequest], caps: list[int], streaming: bool,
                      optimism: float = 0.0) -> list[list[float]]:

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from vllm_smurfs.control.acceptance import ConfidenceCalibration
+from vllm_smurfs.control.acceptance import ConfidenceCalibration, PlanYield
 from vllm_smurfs.control.feedback import DraftTiming, StepTiming
 from vllm_smurfs.control.fixed import FixedLookahead
 from vllm_smurfs.control.plan import DrafterOutcome, PlanRequest, RequestOutcome
@@ -383,6 +383,21 @@ def test_a_lost_step_is_not_held_against_the_next():
     c.plan([req(free_len=0)], K)
     c.observe([RequestOutcome("r")])
     assert c.snapshot()["yield"]["models"] < before["models"]
+
+
+def test_the_yield_fades_towards_one_when_its_plans_are_not_taken():
+    y = PlanYield()
+    for _ in range(100):
+        y.tick()
+        y.observe(2.0, 0.5)
+    low = y.factor
+    assert low < 0.4
+    for _ in range(256):  # steps whose plans are of the other kind
+        y.tick()
+    assert y.factor > low + 0.2
+    for _ in range(2000):
+        y.tick()
+    assert y.factor > 0.95
 
 
 def test_a_catch_up_is_charged_in_seconds_at_the_tokens_it_computes():
