@@ -1,8 +1,9 @@
 """Acceptance estimation, learnt online from what the target accepted: per position conditional
 acceptance of drafts, per request with a global prior (:class:`AcceptanceModel`), with an
 optimistic bound for exploration; and the calibration of a drafter's own probabilities
-(:class:`ConfidenceCalibration`), which the in-worker stop rule reads; and how often a request's
-model-free voters have no chain (:class:`ChainlessShare`), where the models draft.
+(:class:`ConfidenceCalibration`), which the in-worker stop rule reads; how often a request's
+model-free voters have no chain (:class:`ChainlessShare`), where the models draft; and accepted
+over predicted drafts per kind of plan (:class:`PlanYield`), the winner's-curse correction.
 
 Pure module (stdlib only).
 """
