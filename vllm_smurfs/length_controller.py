@@ -505,8 +505,7 @@ class LengthController:
         seconds = search.seconds(Point(choice.expected, choice.tokens, choice.extra_s))
         # The step's own rate without its prompt chunk, if better than the plan in hand's: the
         # stop rule weighs each further token against it.
-        own = choice.expected / max(search.target(choice.tokens) + search.overhead_s
-                                    + choice.extra_s, 1e-9)
+        own = search.rate(Point(choice.expected, choice.tokens, choice.extra_s))
         rho_plan = max(search.rho, own)
         self._last = {"mode": mode, "rho": rho_plan, "value": choice.value,
                       "expected_tokens": choice.expected, "num_reqs": n,

@@ -91,7 +91,7 @@ class StepSearch:
         self.limit = max(target_max_tokens, TRUST_FACTOR * (n + prompt) + TRUST_TOKENS) - prompt
         path = [p for p in greedy_path(hand, [0] * n) if p.tokens <= self.limit] or \
             greedy_path(hand, [0] * n)[:1]
-        self.rho = max(p.expected / max(target(p.tokens) + overhead_s, 1e-9) for p in path)
+        self.rho = max(self.rate(p) for p in path)
         none_value = self.value(path[0])
         # The margin is a share of the decode step's worth: the prompt chunk's time is the same
         # in every plan of the step and carries no error of the plan's.
@@ -103,12 +103,20 @@ class StepSearch:
         self.hand_point = path[best_i]
         self.hand_ks = ks_of_path(hand, best_i)
         self.hand_value = self.value(self.hand_point)
+        # The same plan summed request by request: what model plans replace rows of.
+        self._hand_sums = Point(
+            sum(expected(q, k) for q, k in zip(hand, self.hand_ks, strict=True)),
+            float(sum(1 + k for k in self.hand_ks)))
         self.verify_s = marginal(target, self.hand_point.tokens + prompt, max(1, n))
 
     def value(self, p: Point) -> float:
         """Expected tokens less ``rho`` times the step's seconds (its prompt chunk included)."""
         return p.expected - self.rho * (self.target(p.tokens + self.prompt) + self.overhead_s
                                         + p.extra_s)
+
+    def rate(self, p: Point) -> float:
+        """Expected tokens per second of a step at ``p`` without its prompt chunk."""
+        return p.expected / max(self.target(p.tokens) + self.overhead_s + p.extra_s, 1e-9)
 
     def seconds(self, p: Point) -> float:
         """The step's predicted seconds at ``p`` (its prompt chunk included)."""
@@ -149,8 +157,7 @@ class StepSearch:
         nd = len(self.pass_costs)
         caps, lows, hand, hand_ks = self.caps, self.lows, self.hand, self.hand_ks
         rho, verify_s = self.rho, self.verify_s
-        base_expected = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
-        base_tokens = float(sum(1 + k for k in hand_ks))
+        base_expected, base_tokens = self._hand_sums.expected, self._hand_sums.tokens
         cands = []
         for i in can_model:
             qs = curves[i]
@@ -223,8 +230,7 @@ class StepSearch:
             rows.append(i)
             budget -= cost
         ks = {i: max(min(caps[i], EXPLORE_DRAFT_TOKENS), min(lows[i], caps[i])) for i in rows}
-        exp_tokens = sum(expected(q, k) for q, k in zip(hand, hand_ks, strict=True))
-        tokens = float(sum(1 + k for k in hand_ks))
+        exp_tokens, tokens = self._hand_sums.expected, self._hand_sums.tokens
         catch_up = [CatchUpCharge()] * nd
         for i in rows:
             exp_tokens += expected(mean_curves[i], ks[i]) - expected(hand[i], hand_ks[i])
@@ -238,7 +244,4 @@ class StepSearch:
     def experiment_price_s(self, experiment: ModelChoice) -> float:
         """What an experiment loses, by the mean estimates, against the chain in hand: seconds
         at the step's rate."""
-        hand_value = self.value(Point(
-            sum(expected(q, k) for q, k in zip(self.hand, self.hand_ks, strict=True)),
-            float(sum(1 + k for k in self.hand_ks))))
-        return max(0.0, hand_value - experiment.value) / max(self.rho, 1e-9)
+        return max(0.0, self.value(self._hand_sums) - experiment.value) / max(self.rho, 1e-9)
