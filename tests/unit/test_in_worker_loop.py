@@ -23,6 +23,7 @@ from vllm_smurfs.drafters.in_worker import (
     is_fatal_device_error,
 )
 from vllm_smurfs.drafters.process_client import DrafterHealth
+from vllm_smurfs.drafters.sampling import RowSampling
 
 VOCAB = 50
 BLOCK = 4
@@ -44,7 +45,8 @@ class NextTokenModel(torch.nn.Module):
         return 10.0 * hidden
 
 
-def make_drafter(monkeypatch, vocab_limit: int = VOCAB) -> InWorkerDrafter:
+def make_drafter(monkeypatch, vocab_limit: int = VOCAB,
+                 context_vocab_limit: int | None = None) -> InWorkerDrafter:
     monkeypatch.setattr(module, "set_forward_context",
                         lambda *args, **kwargs: contextlib.nullcontext())
     drafter = object.__new__(InWorkerDrafter)
@@ -55,6 +57,8 @@ def make_drafter(monkeypatch, vocab_limit: int = VOCAB) -> InWorkerDrafter:
     drafter.max_num_tokens = 64
     drafter.max_context = 1000
     drafter.vocab_limit = vocab_limit
+    drafter.context_vocab_limit = context_vocab_limit or vocab_limit
+    drafter._context_ids = {}
     drafter.kv_cache_gid = 0
     drafter.health = DrafterHealth("scripted")
     drafter._synced = {}
@@ -113,6 +117,73 @@ def test_drafts_stay_below_the_vocabulary_limit(monkeypatch):
     drafter = make_drafter(monkeypatch, vocab_limit=20)
     rows, table = batch([18], [4])
     assert all(t < 20 for t in drafter.draft(rows, table).tokens[0])
+
+
+class PlainHeadModel(NextTokenModel):
+    """The same model with its logits a plain product with an output layer (10 x identity): the
+    drafter then computes only the output rows it may draft (`compute_logits` is not called)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = SimpleNamespace(weight=10.0 * torch.eye(VOCAB), bias=None)
+        self.logits_processor = SimpleNamespace(soft_cap=None, scale=1.0)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the whole output layer was computed")
+
+
+def rare_text_batch() -> tuple[DraftRows, torch.Tensor]:
+    """Two requests: the first's text holds ids 24-27 (beyond a limit of 20) and ends in 24; the
+    second's has none beyond 20."""
+    rows, table = batch([5, 5], [5, 2])
+    rows.contexts[0] = np.array([1, 25, 26, 27, 24], dtype=np.int64)
+    return rows, table
+
+
+@pytest.mark.parametrize("model", [NextTokenModel, PlainHeadModel])
+def test_a_trimmed_vocabulary_still_drafts_the_ids_of_the_requests_own_texts(monkeypatch, model):
+    drafter = make_drafter(monkeypatch, vocab_limit=20, context_vocab_limit=VOCAB)
+    drafter.model = model()
+    rows, table = rare_text_batch()
+    result = drafter.draft(rows, table)
+    # 24 -> 25, 26, 27 (ids of its text); 28 is in no text: the best id it may draft is 0 (all
+    # its logits 0, the first wins), then 1. Without the text's ids: 0, 1, 2, 3, 4.
+    assert result.tokens[0] == [25, 26, 27, 0, 1]
+    assert result.tokens[1] == [5, 6]  # (text 0..4)
+    assert drafter._context_ids["r0"][0] == 5
+    assert drafter._context_ids["r0"][1].tolist() == [24, 25, 26, 27]
+    # Only the new part of a text is read; a forgotten request's ids go with it.
+    rows, table = rare_text_batch()
+    rows.contexts[0] = np.array([1, 25, 26, 27, 24, 30, 29], dtype=np.int64)
+    assert drafter.draft(rows, table).tokens[0][:2] == [30, 0]
+    assert drafter._context_ids["r0"][1].tolist() == [24, 25, 26, 27, 29, 30]
+    drafter.forget(["r0"])
+    assert "r0" not in drafter._context_ids
+    # Without a trimmed vocabulary nothing is kept.
+    drafter = make_drafter(monkeypatch)
+    drafter.draft(*rare_text_batch())
+    assert drafter._context_ids == {}
+
+
+def test_sampled_drafts_of_a_trimmed_vocabulary_keep_q_by_token_id(monkeypatch):
+    drafter = make_drafter(monkeypatch, vocab_limit=20, context_vocab_limit=VOCAB)
+    drafter.model = PlainHeadModel()
+    rows, table = rare_text_batch()
+    rows.sampling = RowSampling(np.array([1.0, 1.0]), np.array([0, 0]), np.array([1.0, 1.0]),
+                                {})
+    result = drafter.draft(rows, table)
+    allowed = set(range(20)) | {24, 25, 26, 27}
+    for tokens, conf, q in zip(result.tokens, result.confidences, result.probs):
+        assert q is not None and q.shape == (len(tokens), 28)  # up to the largest id drafted
+        torch.testing.assert_close(q.sum(dim=1), torch.ones(len(tokens)))
+        assert set(torch.nonzero(q.sum(dim=0)).flatten().tolist()) == allowed
+        for j, token in enumerate(tokens):
+            assert token in allowed and q[j, token].item() == pytest.approx(conf[j])
+    # q of the first draft after 24: softmax over the allowed ids of 10 x one-hot(25)
+    expected = torch.zeros(28)
+    expected[sorted(allowed)] = 1.0
+    expected[25] = np.exp(10.0)
+    torch.testing.assert_close(result.probs[0][0], expected / expected.sum())
 
 
 class HostSyncCounter:

@@ -89,6 +89,30 @@ class DraftResult:
     probs: list[torch.Tensor | None] = field(default_factory=list)
 
 
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class _ContextColumns:
+    """Output rows a draft computes beyond the vocabulary limit: ids of the requests' texts."""
+
+    ids: torch.Tensor  # [m] int64, ascending, on the device: the id of column limit + j
+    weight: torch.Tensor | None  # [m, hidden] their output-layer rows (None: logits computed whole)
+    width: int  # the largest id + 1
+
+    def token_ids(self, columns: torch.Tensor, limit: int) -> torch.Tensor:
+        """The token id of each logits column index in ``columns``."""
+        extra = self.ids[(columns - limit).clamp(min=0)]
+        return torch.where(columns < limit, columns, extra)
+
+    def probs_by_id(self, probs: torch.Tensor, limit: int) -> torch.Tensor:
+        """[n, width] ``probs`` [n, limit + m] with each column at its token id."""
+        out = probs.new_zeros((probs.shape[0], self.width))
+        out[:, :limit] = probs[:, :limit]
+        out[:, self.ids] = probs[:, limit:]
+        return out
+
+
 #: stop(active, confidences, drafted_s) -> the requests (indices into DraftRows) that get one more
 #: draft token; called after every forward with the requests still below their cap, every
 #: request's confidences so far, and the seconds the forwards took so far.
@@ -168,9 +192,14 @@ class InWorkerDrafter(DraftModelProposer):
         self._fail_after = int(count) if faulty else -1
         self._stall_s = float(count) if mine and kind == "stall_first" else 0.0
         #: Ids it may draft: below the target's vocabulary size (one tokenizer, but embeddings
-        #: padded to different sizes) and below ``draft_vocab_size``.
-        self.vocab_limit = min(int(vllm_config.model_config.get_vocab_size()),
-                               spec.draft_vocab_size or sys.maxsize)
+        #: padded to different sizes) and below ``draft_vocab_size``, ...
+        target_vocab = int(vllm_config.model_config.get_vocab_size())
+        self.vocab_limit = min(target_vocab, spec.draft_vocab_size or sys.maxsize)
+        #: ... or, up to this, an id of the drafted requests' own texts (`_context_columns`;
+        #: no more than the vocabulary limit when the whole vocabulary is drafted).
+        self.context_vocab_limit = min(target_vocab, self.draft_model_config.get_vocab_size())
+        # Per request: (length of its text read, its ids in [vocab_limit, context_vocab_limit)).
+        self._context_ids: dict[str, tuple[int, np.ndarray]] = {}
 
     # -- set-up (called through the Smurfs proposer) -------------------------------------------
     def _get_model(self) -> torch.nn.Module:
@@ -205,6 +234,7 @@ class InWorkerDrafter(DraftModelProposer):
     def forget(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
             self._synced.pop(req_id, None)
+            self._context_ids.pop(req_id, None)
 
     def catch_up_tokens(self, req_id: str, num_tokens: int) -> int:
         """Tokens the first forward would compute for this request now (its text is
@@ -265,6 +295,7 @@ class InWorkerDrafter(DraftModelProposer):
         self.health.alive = False
         self.health.last_error = reason
         self._synced.clear()
+        self._context_ids.clear()
 
     @torch.inference_mode()
     def draft(self, batch: DraftRows, block_table: torch.Tensor, stop: StopRule | None = None,
@@ -294,6 +325,7 @@ class InWorkerDrafter(DraftModelProposer):
         # q [m, vocab] or None when the batch is greedy).
         sampled: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         sampling = batch.sampling
+        columns = self._context_columns(batch, todo)
         last = torch.zeros(n, dtype=torch.int64, device=self.device)  # latest draft token
         drafted = [0] * n
         confs = result.confidences  # filled per forward only for a stop rule
@@ -327,7 +359,7 @@ class InWorkerDrafter(DraftModelProposer):
             if last_of:  # segments that end the text yield the first draft token
                 pick = self._to_device(np.array([row for _, row in last_of], dtype=np.int64))
                 reqs = [i for i, _ in last_of]
-                keep(reqs, *self._sample(hidden[pick], sampling, reqs))
+                keep(reqs, *self._sample(hidden[pick], sampling, reqs, columns))
             for i, _, e in chunk:
                 self._synced[batch.req_ids[i]] = e
             clock.stop(len(ids), len(chunk), first=True)
@@ -345,7 +377,7 @@ class InWorkerDrafter(DraftModelProposer):
             hidden = self._forward(last[self._to_device(np.asarray(active, dtype=np.int64))],
                                    positions, np.ones(len(active), dtype=np.int64),
                                    positions + 1, batch.rows[active], block_table)
-            keep(active, *self._sample(hidden, sampling, active))
+            keep(active, *self._sample(hidden, sampling, active, columns))
             clock.stop(len(active), len(active), first=False)
             step += 1
             active = [i for i in active if drafted[i] < batch.caps[i]
@@ -425,34 +457,84 @@ class InWorkerDrafter(DraftModelProposer):
                                                for name in self._draft_attn_layer_names}):
             return self.model(input_ids=input_ids, positions=pos)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, vocab] logits over the ids this drafter may draft: below the target's vocabulary
-        size (a drafter whose embedding is padded further must not draft ids the target has no
-        row for) and below ``draft_vocab_size``. Where the limit cuts the output layer short and
-        the model's logits are a plain matrix product, only its first rows are computed."""
-        limit = self.vocab_limit
+    def _context_columns(self, batch: DraftRows, todo: list[int]) -> _ContextColumns | None:
+        """The ids beyond the vocabulary limit that the texts of requests ``todo`` hold (each
+        request's are read once per token: kept per request), as extra output rows for this
+        draft: a request then drafts the rare ids of its own text too (a name, a word of its
+        prompt's language), for a few rows more than the limit. None when there are none."""
+        low, high = self.vocab_limit, self.context_vocab_limit
+        if high <= low:
+            return None
+        found = []
+        for i in todo:
+            req_id, text = batch.req_ids[i], batch.contexts[i]
+            read, ids = self._context_ids.get(req_id, (0, _NO_IDS))
+            if len(text) < read:  # not the text read before (cannot happen: texts only grow)
+                read, ids = 0, _NO_IDS
+            if len(text) > read:
+                new = text[read:]
+                new = new[(new >= low) & (new < high)]
+                if len(new):
+                    ids = np.union1d(ids, new)
+                self._context_ids[req_id] = (len(text), ids)
+            found.append(ids)
+        extra = np.unique(np.concatenate(found)) if found else _NO_IDS
+        if not len(extra):
+            return None
+        ids = self._to_device(extra.astype(np.int64))
+        weight = self._head_weight()
+        return _ContextColumns(ids, None if weight is None else weight[ids], int(extra[-1]) + 1)
+
+    def _head_weight(self) -> torch.Tensor | None:
+        """The output layer's weight when the logits are a plain matrix product with it (no
+        soft cap, scale or bias): then only the rows drafted need computing."""
         head = getattr(self.model, "lm_head", None)
         processor = getattr(self.model, "logits_processor", None)
         weight = getattr(head, "weight", None)
         if (weight is None or processor is None
                 or getattr(processor, "soft_cap", None) is not None
                 or getattr(processor, "scale", 1.0) != 1.0
-                or getattr(head, "bias", None) is not None or limit >= weight.shape[0]):
+                or getattr(head, "bias", None) is not None):
+            return None
+        return weight
+
+    def _logits(self, hidden: torch.Tensor, columns: _ContextColumns | None = None
+                ) -> torch.Tensor:
+        """[n, vocab_limit (+ extra)] logits over the ids this drafter may draft: below the
+        target's vocabulary size (a drafter whose embedding is padded further must not draft ids
+        the target has no row for) and below ``draft_vocab_size``, then the ``columns`` of the
+        requests' own texts beyond it. Where the limit cuts the output layer short and the
+        model's logits are a plain matrix product, only those rows are computed."""
+        limit = self.vocab_limit
+        weight = self._head_weight()
+        if weight is None or limit >= weight.shape[0]:
             logits = self.model.compute_logits(hidden)
-            return logits[:, :limit] if logits.shape[-1] > limit else logits
-        return torch.nn.functional.linear(hidden, weight[:limit])
+            head = logits[:, :limit] if logits.shape[-1] > limit else logits
+            extra = None if columns is None else logits[:, columns.ids]
+        else:
+            head = torch.nn.functional.linear(hidden, weight[:limit])
+            extra = (None if columns is None
+                     else torch.nn.functional.linear(hidden, columns.weight))
+        return head if extra is None else torch.cat((head, extra), dim=1)
 
     def _sample(self, hidden: torch.Tensor, sampling: RowSampling | None = None,
-                reqs: list[int] | None = None
+                reqs: list[int] | None = None, columns: _ContextColumns | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Draft tokens [n] and the drafter's probability of each [n], on the device: greedy, or
-        sampled at the settings of requests ``reqs`` of ``sampling`` (then also q [n, vocab])."""
-        logits = self._logits(hidden).float()
+        sampled at the settings of requests ``reqs`` of ``sampling`` (then also q [n, ids], in
+        token ids: its columns beyond the limit moved to the ids they stand for)."""
+        logits = self._logits(hidden, columns).float()
         if sampling is not None and reqs is not None:
             rows = sampling.take(reqs)
             if rows.sampled.any():
-                return sample_draft_rows(logits, rows)
+                tokens, conf, probs = sample_draft_rows(logits, rows)
+                if columns is None:
+                    return tokens, conf, probs
+                return (columns.token_ids(tokens, self.vocab_limit), conf,
+                        columns.probs_by_id(probs, self.vocab_limit))
         conf, token = torch.softmax(logits, dim=-1).max(dim=-1)
+        if columns is not None:
+            token = columns.token_ids(token, self.vocab_limit)
         return token, conf, None
 
     # -- warm-up (called once the KV cache exists) ---------------------------------------------
