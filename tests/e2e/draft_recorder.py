@@ -3,8 +3,9 @@
 Run in a generation job's process before its engine starts (`Job(preload=[this file])`, with
 ``SMURFS_TEST_DRAFT_LOG`` naming the file to append to; never imported by the plugin). Every call
 of `InWorkerDrafter.draft_safely` appends one JSON line: the drafter's name and, per request,
-``[req_id, context length, tokens drafted]``. A request's context grows every step, so
-``(req_id, context length)`` names one step of one request.
+``[req_id, context length, tokens drafted]``, and under ``drafts`` each request's
+``[token, whether the token occurs in the text of a request of the call]`` pairs. A request's
+context grows every step, so ``(req_id, context length)`` names one step of one request.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ _draft_safely = InWorkerDrafter.draft_safely
 def draft_safely_recorded(self, req_ids, rows, contexts, caps, runner, stop, *args, **kwargs):
     result = _draft_safely(self, req_ids, rows, contexts, caps, runner, stop, *args, **kwargs)
     line = {"drafter": self.name,
-            "requests": [[r, len(c), len(t)] for r, c, t in zip(req_ids, contexts, result.tokens)]}
+            "requests": [[r, len(c), len(t)] for r, c, t in zip(req_ids, contexts, result.tokens)],
+            "drafts": [[[int(x), any(bool((c == x).any()) for c in contexts)] for x in t]
+                       for t in result.tokens]}
     with open(_LOG, "a") as f:
         f.write(json.dumps(line) + "\n")
     return result

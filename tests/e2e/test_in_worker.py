@@ -121,6 +121,26 @@ def test_16_requests_some_past_a_drafters_context_are_lossless_and_not_drafted_b
     assert [key for key, per in past.items() if per.get("draft-0", 0)] == []
 
 
+def test_a_trimmed_draft_vocabulary_drafts_the_texts_own_ids_beyond_it_losslessly(
+        family, greedy_runs, tmp_path):
+    # The tiny byte-level BPE lists its 256 bytes first, then its merges: at 300 ids most words
+    # lie beyond the limit, and a drafter may draft them only where the texts it drafts for have
+    # them.
+    limit = 300
+    spec = smurfs_config(family)
+    spec["drafters"] = [{"model": d, "draft_vocab_size": limit} for d in family.drafts]
+    log = tmp_path / "drafts.jsonl"
+    smurfs = run(spec, target=family.target, preload=[DRAFT_RECORDER],
+                 env={"SMURFS_TEST_DRAFT_LOG": str(log)})
+    assert divergences(greedy_runs("none").token_ids, smurfs.token_ids) == {}
+    drafted = [pair for line in log.read_text().splitlines()
+               for request in json.loads(line)["drafts"] for pair in request]
+    beyond = [in_text for token, in_text in drafted if token >= limit]
+    assert len(drafted) > 100 and len(beyond) > 10
+    assert all(beyond)  # every id beyond the limit is one of the texts'
+    assert smurfs.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("placement", ["worker", "process"])
 def test_preemption_chunked_prefill_and_requests_joining_stay_lossless(family, placement):
     prompts = [LONG_PROMPT] + list(TINY_PROMPTS)
