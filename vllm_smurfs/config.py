@@ -105,10 +105,11 @@ class ModelDrafterConfig(_Strict):
     )
     draft_vocab_size: int | None = Field(
         default=None, ge=1,
-        description="In-worker drafters: draft only tokens with ids below this. The drafter's "
-        "output layer then computes this many rows instead of the whole vocabulary (a "
-        "byte-level BPE vocabulary lists its common tokens first): cheaper forwards, and a "
-        "token beyond it is never drafted. Default: the whole vocabulary.",
+        description="In-worker drafters: draft only tokens with ids below this, or ids that "
+        "the texts drafted for hold. The drafter's output layer then computes this many rows "
+        "and those of the texts' rarer ids instead of the whole vocabulary (a byte-level BPE "
+        "vocabulary lists its common tokens first): cheaper forwards, and a token beyond it "
+        "that no text drafted for holds is never drafted. Default: the whole vocabulary.",
     )
     max_model_len: int | None = Field(
         default=None, ge=1,

@@ -13,8 +13,8 @@ before any draft; every later position can come out of a verification step, wher
 verifier would change its distribution. Per position, a chi-square test of homogeneity compares
 the tokens with those of a run without speculation (ending early counts as a token of its own);
 a run is rejected when any position's p-value is below ALPHA / len(POSITIONS) (Bonferroni: the
-family-wise significance of one run is ALPHA, so the six lossless configurations together fail
-by chance with probability about 6 * ALPHA = 0.6%).
+family-wise significance of one run is ALPHA, so the 14 lossless runs together, 8 configurations
+and 6 at other settings, fail by chance with probability about 14 * ALPHA = 1.4%).
 
 Power. The prompt is chosen so that token 0 is nearly certain (p ~0.99) and token 1 is not
 (p ~0.65 for the top token, which all three drafts propose): verification there decides between
@@ -140,6 +140,10 @@ def configs(family) -> dict[str, tuple[str, dict | None, int]]:
         # Fixed lookahead, drafted in the step: every verification step checks a full draft.
         "smurfs in-worker": (family.target, {**FIXED, "drafters": [{"model": d} for d in drafts]},
                              2),
+        # A trimmed draft vocabulary (the tiny tokenizer's first 300 of 600 ids, and those of
+        # the texts): q is over the ids drafted, its columns beyond the limit moved to their ids.
+        "smurfs in-worker, trimmed vocabulary": (family.target, {
+            **FIXED, "drafters": [{"model": d, "draft_vocab_size": 300} for d in drafts]}, 12),
         # Five sampling members (two models twice): where a vote over sampled drafts would pull
         # hardest (see the controls), the mixture rule must not.
         "smurfs in-worker, five drafters": (family.target, {**FIXED, "drafters": [
@@ -176,6 +180,7 @@ def runs(family):
 
 
 LOSSLESS = ["smurfs in-worker", "smurfs in-worker, five drafters",
+            "smurfs in-worker, trimmed vocabulary",
             "smurfs process, synchronous", "smurfs default",
             "smurfs process, pipelined", "smurfs ray, pipelined", "vllm draft_model"]
 
