@@ -132,6 +132,17 @@ class PlainHeadModel(NextTokenModel):
         raise AssertionError("the whole output layer was computed")
 
 
+class ShardedHeadModel(NextTokenModel):
+    """An output layer split over 2 tensor-parallel ranks (this rank holds ids 25-49): only
+    `compute_logits`, which gathers the ranks' logits, knows the whole vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = SimpleNamespace(weight=10.0 * torch.eye(VOCAB)[VOCAB // 2:], bias=None,
+                                       tp_size=2)
+        self.logits_processor = SimpleNamespace(soft_cap=None, scale=1.0)
+
+
 def rare_text_batch() -> tuple[DraftRows, torch.Tensor]:
     """Two requests: the first's text holds ids 24-27 (beyond a limit of 20) and ends in 24; the
     second's has none beyond 20."""
@@ -140,7 +151,7 @@ def rare_text_batch() -> tuple[DraftRows, torch.Tensor]:
     return rows, table
 
 
-@pytest.mark.parametrize("model", [NextTokenModel, PlainHeadModel])
+@pytest.mark.parametrize("model", [NextTokenModel, PlainHeadModel, ShardedHeadModel])
 def test_a_trimmed_vocabulary_still_drafts_the_ids_of_the_requests_own_texts(monkeypatch, model):
     drafter = make_drafter(monkeypatch, vocab_limit=20, context_vocab_limit=VOCAB)
     drafter.model = model()

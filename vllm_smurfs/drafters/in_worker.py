@@ -504,14 +504,17 @@ class InWorkerDrafter(DraftModelProposer):
 
     def _head_weight(self) -> torch.Tensor | None:
         """The output layer's weight when the logits are a plain matrix product with it (no
-        soft cap, scale or bias): then only the rows drafted need computing."""
+        soft cap, scale or bias) and it is whole (not split over tensor-parallel ranks: a rank
+        holds only its share of the rows, and `compute_logits` gathers them): then only the
+        rows drafted need computing."""
         head = getattr(self.model, "lm_head", None)
         processor = getattr(self.model, "logits_processor", None)
         weight = getattr(head, "weight", None)
         if (weight is None or processor is None
                 or getattr(processor, "soft_cap", None) is not None
                 or getattr(processor, "scale", 1.0) != 1.0
-                or getattr(head, "bias", None) is not None):
+                or getattr(head, "bias", None) is not None
+                or getattr(head, "tp_size", 1) != 1):
             return None
         return weight
 
