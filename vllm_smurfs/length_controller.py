@@ -502,10 +502,11 @@ class LengthController:
         # chain in hand.
         ks = [(choice.ks[i] if mode == "explore" else search.caps[i]) if i in rows
               else search.hand_ks[i] for i in range(n)]
-        seconds = search.seconds(Point(choice.expected, choice.tokens, choice.extra_s))
+        point = Point(choice.expected, choice.tokens, choice.extra_s)
+        seconds = search.seconds(point)
         # The step's own rate without its prompt chunk, if better than the plan in hand's: the
         # stop rule weighs each further token against it.
-        own = search.rate(Point(choice.expected, choice.tokens, choice.extra_s))
+        own = search.rate(point)
         rho_plan = max(search.rho, own)
         self._last = {"mode": mode, "rho": rho_plan, "value": choice.value,
                       "expected_tokens": choice.expected, "num_reqs": n,
