@@ -259,6 +259,62 @@ def test_the_curve_forgets_what_the_machine_no_longer_does():
     assert curve(8) < 0.2
 
 
+def test_a_knot_not_visited_for_a_while_moves_with_the_machine():
+    # Seen at temperature 1 (2026-12-07-vocab, 115ebb1/t1.0-free pass 1): the first prompt's
+    # steps ran at 99 ms (1 token), 107 ms (2) and 128 ms (3); then the machine sped up and the
+    # 1-token knot followed it to ~72 ms while the 2-token one, seldom visited, stayed at 107:
+    # one model draft token (a 2-token step) looked 49% dearer than none, and the models were
+    # priced out for three prompts. A common level moves every knot with the machine.
+    rng = random.Random(0)
+    first = {1: 0.099, 2: 0.107, 3: 0.128}
+    curve = StepCostModel()
+    for _ in range(55):
+        n = rng.choice([1, 1, 1, 2, 3])
+        curve.observe(n, first[n] * rng.uniform(1.0, 1.08))
+    assert curve(2) / curve(1) == pytest.approx(1.08, abs=0.05)
+    for _ in range(150):
+        curve.observe(1, 0.072 * rng.uniform(1.0, 1.08))
+    assert curve(1) == pytest.approx(0.075, rel=0.06)
+    assert curve(2) / curve(1) == pytest.approx(1.08, abs=0.05)
+    assert curve(3) / curve(1) == pytest.approx(1.29, abs=0.07)
+    # Without the level (the static fit the simulator uses), the old knot stays.
+    static = StepCostModel(drift_rate=0.0)
+    for n, s in [(1, 0.099)] * 3 + [(2, 0.107)] * 3 + [(1, 0.072)] * 150:
+        static.observe(n, s)
+    assert static(2) == pytest.approx(0.107)
+    # In the controller: with the models' first-position acceptance at 0.62 and no chain in
+    # hand, a one-token model draft pays once the 2-token step is priced at the machine's speed.
+    c = LengthController(K, 1)
+    for n in range(1, 65):
+        for _ in range(3):
+            c.observe_pass(0, n, 0.025 + 0.0008 * n)
+    for n in (1, 2, 3):
+        for _ in range(5):
+            c.observe_step(StepTiming(1, n, first[n]))
+    for _ in range(150):
+        c.observe_step(StepTiming(1, 1, 0.072))
+    teach(c, "r", models=0.62)
+    assert c.plan([req()], K).models
+
+
+def test_the_level_holds_under_pauses_and_noise_and_rejects_bad_settings():
+    rng = random.Random(1)
+    curve = StepCostModel()
+    levels = []
+    for _ in range(5000):
+        n = rng.choice([1, 1, 2, 3, 4, 7])
+        s = (0.07 + 0.004 * n) * rng.uniform(1.0, 1.1)
+        if rng.random() < 0.03:
+            s *= rng.uniform(1.5, 4.0)  # a pause
+        curve.observe(n, s)
+        levels.append(curve.level)
+    assert max(abs(v) for v in levels) < 0.25  # no accumulated noise: an average, not a sum
+    for n in (1, 2, 3, 4, 7):
+        assert curve(n) == pytest.approx(0.07 + 0.004 * n, rel=0.08)
+    with pytest.raises(ValueError, match="drift_rate"):
+        StepCostModel(drift_rate=1.5)
+
+
 def test_a_poisoned_drafter_warm_up_does_not_lock_the_models_out():
     c = LengthController(K, 1)
     for n in range(1, 33):

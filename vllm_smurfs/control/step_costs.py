@@ -38,6 +38,25 @@ SINGLE_CALL_CAP = 2.0
 # minute of steps): a curve forgets what the machine no longer does (a job that ended, a cache
 # that warmed up), and a token count not revisited for that long is priced from its neighbours.
 _DEFAULT_MAX_AGE = 4096
+# The machine's speed drifts as a whole (a co-located process, the clock, caches), and a batch-1
+# run visits a few token counts often and the others seldom: a knot refreshed only by steps of
+# its own size keeps the speed of the time it was measured. (At temperature 1 a first prompt's
+# 2-token knot, 107 ms, stayed for three prompts while the 1-token knot followed the machine
+# from 99 to 67-76 ms: a 2-token step looked 41-55% dearer than a 1-token one, against 0-7%
+# later, and the model drafts that need one were priced out.) So the curve also tracks a common
+# *level* (log speed factor): each bucket gets a fixed reference, the lower median of its first
+# _REFERENCE_OBSERVATIONS observations (robust to a first call that builds kernels and to a
+# pause) taken relative to the level then, and the level is an exponential average, weight
+# DRIFT_RATE, of each later observation's log ratio to its bucket's reference (clipped to
+# DRIFT_CLIP: a pause moves it by at most DRIFT_RATE * DRIFT_CLIP, undone within ~1/DRIFT_RATE
+# observations). The fixed references anchor it: it is an average, not a sum, and no timing
+# noise accumulates in it. Each observation is stored relative to the level at its time and
+# each bucket is valued at the level now, so a knot not visited for a while moves with the
+# ones that are. Decisions compare costs on one curve (each drafter's curve has its own level):
+# the level's own noise, common to all knots, changes none of them.
+DRIFT_RATE = 0.1
+DRIFT_CLIP = 0.7
+_REFERENCE_OBSERVATIONS = 5
 
 
 def _bucket(num_tokens: int) -> int:
@@ -97,7 +116,9 @@ class StepCostModel:
     job, a first call only ever add time), so a slow knot is the suspect, not the fast ones after
     it: pooling them upwards, as a least-squares isotonic fit does, let one 30 s first forward
     price every larger token count at seconds and shut drafting out for good. Observations older
-    than ``max_age`` observations are forgotten.
+    than ``max_age`` observations are forgotten. The whole curve moves with the machine's speed
+    (a common level learnt from every bucket's observations, see DRIFT_RATE), so a knot keeps
+    its ratio to the others, not the seconds of the time it was measured.
 
     Between two knots the curve is *optimistic*: the lowest value a convex non-decreasing curve
     through the knots allows, i.e. the largest of the left knot's value and the neighbouring
@@ -110,15 +131,24 @@ class StepCostModel:
     """
 
     def __init__(self, window: int | None = _DEFAULT_COST_WINDOW,
-                 max_age: int | None = _DEFAULT_MAX_AGE) -> None:
+                 max_age: int | None = _DEFAULT_MAX_AGE, drift_rate: float = DRIFT_RATE) -> None:
         """``window``: observations kept per bucket (None: all); ``max_age``: observations of the
-        whole curve after which one is forgotten (None: never). Raises ValueError if < 1."""
+        whole curve after which one is forgotten (None: never); ``drift_rate``: weight of each
+        observation in the common level (0: no level, a static fit). Raises ValueError if
+        ``window`` or ``max_age`` < 1 or ``drift_rate`` is not in [0, 1]."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 or None, got {window}")
         if max_age is not None and max_age < 1:
             raise ValueError(f"max_age must be >= 1 or None, got {max_age}")
+        if not 0.0 <= drift_rate <= 1.0:
+            raise ValueError(f"drift_rate must be in [0, 1], got {drift_rate!r}")
         self.window = window
         self.max_age = max_age
+        self.drift_rate = drift_rate
+        self.level = 0.0  # log speed factor now (see DRIFT_RATE)
+        # Per bucket: its first observations' log seconds at level 0; their lower median is its
+        # reference once there are _REFERENCE_OBSERVATIONS.
+        self._refs: dict[int, list[float]] = {}
         # Per bucket: (observation index, tokens, seconds), oldest first.
         self._buckets: dict[int, deque[tuple[int, int, float]]] = {}
         self._knots: list[tuple[float, float]] | None = None
@@ -138,9 +168,21 @@ class StepCostModel:
         q = self._buckets.get(b)
         if q is None:
             q = self._buckets[b] = deque(maxlen=self.window)
-        q.append((self.num_observations, num_tokens, seconds))
+        if self.drift_rate > 0.0:
+            self._follow_level(b, math.log(max(seconds, 1e-9)))
+        # Stored at level 0: the bucket's value is rescaled to the level now (`knots`).
+        q.append((self.num_observations, num_tokens, seconds * math.exp(-self.level)))
         self.num_observations += 1
         self._knots = None
+
+    def _follow_level(self, b: int, log_s: float) -> None:
+        """Update the level with an observation of bucket ``b`` (see DRIFT_RATE)."""
+        ref = self._refs.setdefault(b, [])
+        if len(ref) == _REFERENCE_OBSERVATIONS:
+            deviation = log_s - _lower_median(ref) - self.level
+            self.level += self.drift_rate * min(DRIFT_CLIP, max(-DRIFT_CLIP, deviation))
+        else:
+            ref.append(log_s - self.level)
 
     def knots(self) -> list[tuple[float, float]]:
         """The fitted curve's knots ``(num_tokens, seconds)``, non-decreasing in both."""
@@ -162,7 +204,8 @@ class StepCostModel:
                 tys = lower_envelope([y for _, y in trusted])
                 stats = [(x, y if c > 1 else min(y, SINGLE_CALL_CAP * _predict(txs, tys, x)), c)
                          for x, y, c in stats]
-            ys = lower_envelope([y for _, y, _ in stats])
+            level = math.exp(self.level)
+            ys = lower_envelope([y * level for _, y, _ in stats])
             self._knots = [(x, y) for (x, _, _), y in zip(stats, ys, strict=True)]
             # A token count in a measured bucket costs what the bucket does (interpolating
             # towards the bucket's mean token count from a gap below it would keep pricing the
@@ -198,6 +241,7 @@ class StepCostModel:
         knots = self.knots()
         return {
             "observations": self.num_observations,
+            "level": round(math.exp(self.level), 4),
             "knots": [[round(x, 2), round(y, 6)] for x, y in knots],
         }
 

@@ -136,7 +136,7 @@ class SimResult:
 
 def fit_target_cost(trace: Sequence[TraceStep]) -> StepCostModel:
     """The target's step seconds by token count, over every recorded step."""
-    curve = StepCostModel(window=None, max_age=None)
+    curve = StepCostModel(window=None, max_age=None, drift_rate=0.0)
     for step in trace:
         curve.observe(step.num_tokens, step.seconds)
     return curve
@@ -147,7 +147,7 @@ def fit_pass_cost(trace: Sequence[TraceStep]) -> StepCostModel | None:
     passes = [(n, s) for step in trace for _, n, s in step.passes]
     if not passes:
         return None
-    curve = StepCostModel(window=None, max_age=None)
+    curve = StepCostModel(window=None, max_age=None, drift_rate=0.0)
     for n, s in passes:
         curve.observe(n, s)
     return curve
