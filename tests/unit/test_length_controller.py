@@ -22,6 +22,7 @@ from vllm_smurfs.length_controller import (
     EXPERIMENT_CATCH_UP_TOKENS,
     EXPLORE_ALLOWANCE_S,
     EXPLORE_BUDGET,
+    INVESTMENT_EVIDENCE_STEPS,
     LengthController,
 )
 
@@ -479,6 +480,25 @@ def test_a_probe_needs_a_cheap_catch_up():
         c.forget(["a"])
         plan = c.plan([req("n", catch_up=catch_up, remaining=60)], K)
         assert (plan.mode == "explore" and plan.models) == probed, catch_up
+
+
+def test_a_prefill_sized_catch_up_waits_for_the_request_s_own_evidence():
+    # Spec-Bench summarization: a 710-token prompt whose voters have a chain in ~90% of its
+    # steps, after requests whose voters seldom had one. On the population's share the catch-up
+    # looked repaid; the request's own first steps say whether it is.
+    for own_chain, steps, drafts in ((True, 20, False), (False, INVESTMENT_EVIDENCE_STEPS, True)):
+        c = measured()
+        teach(c, "r", models=0.8, with_free=False)
+        for s in range(40):  # earlier requests: no chain
+            c.observe([RequestOutcome(f"old{s // 20}")])
+        new = req("q", catch_up=710, remaining=60)  # a step with no chain in hand
+        assert not c.plan([new], K).models  # no own evidence yet: no prefill in the drafter
+        for _ in range(steps):
+            c.observe([RequestOutcome("q", free=DrafterOutcome(2, 1, 2) if own_chain else None,
+                                      with_free=own_chain)])
+        assert bool(c.plan([new], K).models) == drafts, own_chain
+        # A normal catch-up needs no such evidence.
+        assert c.plan([req("s", catch_up=5, remaining=60)], K).models
 
 
 def test_a_catch_up_is_spread_over_the_steps_without_a_model_free_chain():

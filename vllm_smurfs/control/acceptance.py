@@ -242,7 +242,8 @@ class AcceptanceModel:
         return out
 
     def expected_tokens(self, req_id: str, k: int) -> float:
-        """``E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i``: tokens a draft of ``k`` yields, bonus included.
+        """``E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i``: tokens a draft of ``k`` yields, bonus
+        included.
 
         Positions beyond ``max_positions`` count as rejected.
         """
@@ -375,6 +376,10 @@ class ChainlessShare:
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
+
+    def own_steps(self, req_id: str) -> float:
+        """Request-steps of ``req_id`` observed."""
+        return self.requests.get(req_id, [0.0, 0.0])[1]
 
     def __call__(self, req_id: str) -> float:
         """The expected share of ``req_id``'s steps whose model-free voters have no chain."""
