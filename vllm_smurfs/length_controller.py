@@ -134,6 +134,15 @@ __all__ = ["DRAFT_MARGIN", "EXPERIMENT_CATCH_UP_TOKENS", "EXPLORE_BUDGET",
 EXPLORE_BUDGET = 0.02
 EXPLORE_ALLOWANCE_S = 0.25
 EVIDENCE_OBSERVATIONS = 8.0
+# A request whose catch-up is a prefill in the drafters (more than EXPERIMENT_CATCH_UP_TOKENS)
+# is drafted for by the mean plan only once INVESTMENT_EVIDENCE_STEPS of its own steps say how
+# often its voters have no chain (the steps its catch-up is spread over): before, that share is
+# the other requests' (chat and translation prompts' voters seldom have one), and Spec-Bench's
+# summarization prompts, whose voters have a chain in ~90% of their steps, were caught up (710
+# tokens, 0.73 s in the 0.5B drafter) for 64 tokens the voters serve as well: three of their
+# four runs in one benchmark (115ebb1, il-draft-vs-smurfs, 2 passes) took 5.6-6.3 s, against
+# 4.0-4.6 s in the run beside it where the models sat out.
+INVESTMENT_EVIDENCE_STEPS = 4
 # Probes: at batch 1, a request the models have never drafted for is an experiment candidate
 # even when the population's optimistic estimate says no (the same budget bounds it): requests
 # differ far more than steps of one request do (in one Spec-Bench pass, the first chat prompt's
@@ -144,15 +153,6 @@ EVIDENCE_OBSERVATIONS = 8.0
 # more. Only requests with PROBE_MIN_REMAINING tokens to go are probed (the experiment pays back
 # over the request), and only at batch 1: in a batch a model step is priced on the population's
 # estimate (at 2 requests probes cost 1% on a recorded Spec-Bench trace).
-# A request whose catch-up is a prefill in the drafters (more than EXPERIMENT_CATCH_UP_TOKENS)
-# is drafted for by the mean plan only once INVESTMENT_EVIDENCE_STEPS of its own steps say how
-# often its voters have no chain (the steps its catch-up is spread over): before, that share is
-# the other requests' (chat and translation prompts' voters seldom have one), and Spec-Bench's
-# summarization prompts, whose voters have a chain in ~90% of their steps, were caught up (710
-# tokens, 0.73 s in the 0.5B drafter) for 64 tokens the voters serve as well: in three of the
-# four runs of them in one benchmark (115ebb1, il-draft-vs-smurfs) 5.6-6.3 s a prompt, against
-# 4.0-4.6 s in the run beside it where the models sat out.
-INVESTMENT_EVIDENCE_STEPS = 4
 PROBE_NEW_REQUESTS = True
 PROBE_MIN_REMAINING = 16
 PROBE_MAX_BATCH = 1
