@@ -33,14 +33,17 @@ model draft pays most), against the chain in hand; the requests are added in the
 benefit and the best prefix is taken, priced with the measured forward costs (the first
 forward at the catch-up tokens it will compute; the seconds beyond a normal step's catch-up are
 an investment in the request's later steps, charged spread over those in which its voters are
-expected to have no chain, where the models draft: `CatchUpCharge`, `ChainlessShare`). A
-plan with drafts is taken only with a margin over the one without (``DRAFT_MARGIN``).
+expected to have no chain, where the models draft: `CatchUpCharge`, `ChainlessShare`; a
+catch-up that is a prefill in the drafters waits for the request's own evidence of that share,
+INVESTMENT_EVIDENCE_STEPS). A plan with drafts is taken only with a margin over the one
+without (``DRAFT_MARGIN``).
 
 **What it learns** (`control.acceptance`, `control.step_costs`), clean by construction: output
 tokens only; the lookaheads as verified; the prompt tokens of each step from the step itself
 (`StepTiming`); cost curves that no single slow call sets (a first call builds oneDNN primitives or
-compiles), seeded by the in-worker drafters' warm-up, that forget old observations and are made
-monotone by lowering a slow point rather than raising the points after it; acceptance per plan, per
+compiles), seeded by the in-worker drafters' warm-up, that forget old observations, move with the
+machine's speed as a whole, and are made monotone by lowering a slow point rather than raising the
+points after it; acceptance per plan, per
 context and per request. One step's plans are searched and priced by `control.planner`
 (`StepSearch`, given these estimates), with the arithmetic of `control.plan_search`; this
 module decides between them (evidence, exploration, probes), learns and reports. The fixed
