@@ -264,7 +264,7 @@ def test_a_knot_not_visited_for_a_while_moves_with_the_machine():
     # Seen at temperature 1 (2026-12-07-vocab, 115ebb1/t1.0-free pass 1): the first prompt's
     # steps ran at 99 ms (1 token), 107 ms (2) and 128 ms (3); then the machine sped up and the
     # 1-token knot followed it to ~72 ms while the 2-token one, seldom visited, stayed at 107:
-    # one model draft token (a 2-token step) looked 49% dearer than none, and the models were
+    # one model draft token (a 2-token step) looked 41-55% dearer than none, and the models were
     # priced out for three prompts. A common level moves every knot with the machine.
     rng = random.Random(0)
     first = {1: 0.099, 2: 0.107, 3: 0.128}
