@@ -43,11 +43,10 @@ tokens only; the lookaheads as verified; the prompt tokens of each step from the
 (`StepTiming`); cost curves that no single slow call sets (a first call builds oneDNN primitives or
 compiles), seeded by the in-worker drafters' warm-up, that forget old observations, move with the
 machine's speed as a whole, and are made monotone by lowering a slow point rather than raising the
-points after it; acceptance per plan, per
-context and per request. One step's plans are searched and priced by `control.planner`
-(`StepSearch`, given these estimates), with the arithmetic of `control.plan_search`; this
-module decides between them (evidence, exploration, probes), learns and reports. The fixed
-policy is `control.fixed`.
+points after it; acceptance per plan, per context and per request. One step's plans are searched
+and priced by `control.planner` (`StepSearch`, given these estimates), with the arithmetic of
+`control.plan_search`; this module decides between them (evidence, exploration, probes), learns
+and reports. The fixed policy is `control.fixed`.
 
 **Exploration** is optimistic and bounded: the model plan is also valued with an upper
 confidence bound of its acceptance (wide where it has seldom been verified, and widening again
