@@ -25,6 +25,7 @@ from vllm_smurfs.trace.simulator import (
     TraceStep,
     acc_from_agreement,
     default_policies,
+    hindsight,
     read_trace,
     reconstruct,
     replay,
@@ -238,6 +239,44 @@ def test_probing_a_drafter_that_serves_every_request_badly_stays_within_the_budg
     assert adaptive.tokens_per_second >= 0.97 * none.tokens_per_second  # ...and cost little
 
 
+# ---------------------------------------------------------------------------------- hindsight
+def test_hindsight_takes_the_best_path() -> None:
+    # 3 tokens; the model's draft at 0 would be accepted for 2, the chain at 0 for 1 of 2.
+    req = ReplayRequest.synthetic("a", [1, 1, 0], free_len=[2, 0, 0], free_agree=[1, 0, 0],
+                                  prompt=20)
+    flat = lambda n: 1.0  # noqa: E731 - a step costs 1 s whatever its tokens
+    cheap = lambda n: 0.1  # noqa: E731
+    best = hindsight([req], flat, cheap, 4)
+    # The model drafts 2 at 0 (two forwards) and the step yields all 3 tokens.
+    assert best.total_seconds == pytest.approx(1.2)
+    assert (best.total_tokens, best.drafted, best.accepted) == (3, 2, 2)
+    assert best.model_request_steps == 1
+    assert [s.num_tokens for s in best.steps] == [3]
+    # Without the model: the chain's 1 accepted token at 0, then one token a step.
+    free = hindsight([req], flat, None, 4)
+    assert free.total_seconds == pytest.approx(2.0) and free.total_tokens == 3
+    # A dear drafter: not worth it, the chain wins.
+    assert hindsight([req], flat, lambda n: 0.9, 4).model_request_steps == 0
+    with pytest.raises(ValueError, match="max_lookahead"):
+        hindsight([req], flat, cheap, 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_policy_beats_hindsight(seed: int) -> None:
+    requests = _mixed_requests(6, seed)
+    ceiling = hindsight(requests, target_s, drafter_s, 6)
+    assert ceiling.total_tokens == sum(r.length for r in requests)
+    for name, factory in default_policies(6).items():
+        r = replay(requests, factory, 1, target_s, drafter_s, 6)
+        assert ceiling.total_seconds <= r.total_seconds + 1e-9, name
+    free = hindsight(requests, target_s, None, 6)
+    assert ceiling.total_seconds < free.total_seconds  # the model pays somewhere here
+    assert free.model_request_steps == 0
+    for name in ("k=0", "model-free"):
+        r = replay(requests, default_policies(6)[name], 1, target_s, None, 6)
+        assert free.total_seconds <= r.total_seconds + 1e-9, name
+
+
 # --------------------------------------------------------- regression: recorded real-model traces
 DATA = Path(__file__).parent / "data"
 TRACES = sorted(DATA.glob("trace-*.jsonl"))
@@ -298,7 +337,9 @@ def test_compare_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     trace = [TraceStep(s.step, s.t, s.seconds, s.num_tokens, s.requests,
                        passes=((0, 5, 0.06),)) for s in trace]
     rows = compare(trace, default_policies(3), [1, 2])
-    assert {r["policy"] for r in rows} == {"k=0", "model-free", "k=1", "k=2", "k=3", "adaptive"}
+    assert {r["policy"] for r in rows} == {"k=0", "model-free", "k=1", "k=2", "k=3", "adaptive",
+                                           "hindsight", "hindsight model-free"}
+    assert {r["concurrency"] for r in rows if r["policy"].startswith("hindsight")} == {1}
     assert all(r["tokens"] == 30 for r in rows)  # the request's 30 tokens, whatever the policy
     assert all(r["speedup"] == pytest.approx(1.0) for r in rows if r["policy"] == "k=0")
     table = format_table(rows)

@@ -1,11 +1,10 @@
 """Reports on recorded traces: compare lookahead policies by replaying them, and where a recorded
 run's time went; the command line of the simulator.
 
-CLI: ``python -m vllm_smurfs.trace TRACE.jsonl [--concurrency 1,4,16,32]
-[--max-lookahead 8]`` prints a markdown table
-of the adaptive controller vs fixed k=1..max with the model drafter vs the model-free voters alone
-vs no speculation; ``--summary`` prints instead where the recorded run's time went
-(:func:`summarize`).
+CLI: ``python -m vllm_smurfs.trace TRACE.jsonl [--concurrency 1,4,16,32] [--max-lookahead 8]``
+prints a markdown table of the adaptive controller vs fixed k=1..max with the model drafter vs the
+model-free voters alone vs no speculation, and at concurrency 1 the hindsight ceilings;
+``--summary`` prints instead where the recorded run's time went (:func:`summarize`).
 
 The simulator itself is `trace.simulator`; this module only formats and drives it. Pure module
 (stdlib + numpy through `trace.simulator`, no vllm/torch); the runtime never imports it.
@@ -25,6 +24,7 @@ from vllm_smurfs.trace.simulator import (
     default_policies,
     fit_pass_cost,
     fit_target_cost,
+    hindsight,
     reconstruct,
     replay,
 )
@@ -37,11 +37,14 @@ def compare(
     policies: Mapping[str, PolicyFactory],
     concurrencies: Sequence[int],
     max_lookahead: int = 8,
+    with_hindsight: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per (policy, concurrency): tokens/s, speedup vs ``k=0`` (when among the
     policies), output tokens per request-step, the share of request-steps with the model
     drafter, and the fraction of steps whose token count lies past the trace's largest (the
-    cost there is extrapolated)."""
+    cost there is extrapolated). At concurrency 1, ``with_hindsight`` adds the ceilings of
+    `simulator.hindsight` (``hindsight``, and ``hindsight model-free`` without the model): what
+    no policy can beat, knowing every draft's fate in advance."""
     requests = reconstruct(trace)
     target = fit_target_cost(trace)
     drafter = fit_pass_cost(trace)
@@ -50,6 +53,10 @@ def compare(
     for c in concurrencies:
         results = {name: replay(requests, factory, c, target, drafter, max_lookahead)
                    for name, factory in policies.items()}
+        if c == 1 and with_hindsight:
+            if drafter is not None:
+                results["hindsight"] = hindsight(requests, target, drafter, max_lookahead)
+            results["hindsight model-free"] = hindsight(requests, target, None, max_lookahead)
         base = results["k=0"].tokens_per_second if "k=0" in results else None
         for name, r in results.items():
             outside = sum(1 for s in r.steps if s.num_tokens > largest)
@@ -64,11 +71,13 @@ def compare(
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Markdown: one row per policy, one column per concurrency; best per column in bold."""
+    """Markdown: one row per policy, one column per concurrency; best policy per column in bold
+    (the hindsight ceilings are not policies)."""
     concs = sorted({r["concurrency"] for r in rows})
     names = list(dict.fromkeys(r["policy"] for r in rows))
     cell = {(r["policy"], r["concurrency"]): r for r in rows}
-    best = {c: max(r["tokens_per_s"] for r in rows if r["concurrency"] == c) for c in concs}
+    best = {c: max((r["tokens_per_s"] for r in rows if r["concurrency"] == c
+                    and not r["policy"].startswith("hindsight")), default=None) for c in concs}
     lines = ["| policy | " + " | ".join(f"c={c} tok/s (vs k=0, τ)" for c in concs) + " |",
              "|---|" + "---|" * len(concs)]
     for name in names:
@@ -87,6 +96,9 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines.append("")
     lines.append("τ: tokens per request per step. †: over 5% of the steps past the recorded "
                  "token counts (cost extrapolated).")
+    if any(r["policy"].startswith("hindsight") for r in rows):
+        lines.append("hindsight: the fastest any policy could be at c=1 knowing every draft's "
+                     "fate in advance (a ceiling, not a policy).")
     return "\n".join(lines)
 
 

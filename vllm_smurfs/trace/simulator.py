@@ -40,6 +40,8 @@ Pure module (stdlib + numpy, no vllm/torch).
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +71,7 @@ __all__ = [
     "acc_from_agreement",
     "default_policies",
     "fit_pass_cost",
+    "hindsight",
     "fit_target_cost",
     "read_trace",
     "reconstruct",
@@ -266,6 +269,60 @@ def replay(requests: Sequence[ReplayRequest], factory: PolicyFactory, concurrenc
         policy.forget(finished)
         active = [a for a in active if a.x < a.req.length]
         step_index += 1
+    return result
+
+
+def hindsight(requests: Sequence[ReplayRequest], target: Callable[[float], float],
+              drafter: Callable[[float], float] | None, max_lookahead: int = 8) -> SimResult:
+    """The fastest any lookahead policy could serve ``requests`` one at a time (concurrency 1),
+    knowing every draft's fate in advance: a ceiling for the controller, not a policy.
+
+    Per request, a shortest path over (output position, the in-worker drafter's catch-up): each
+    step either drafts nothing, verifies the model-free chain cut to any length, or has the model
+    draft any length up to ``max_lookahead`` (its forwards priced as `replay` prices them: one
+    over the catch-up, then one token per further position; afterwards the catch-up is 1), and
+    the step's target cost is ``target(1 + drafts)``. Accepted runs are the trace's, as in
+    `replay`; ``drafter`` None: the model-free choices only.
+    """
+    if max_lookahead < 1:
+        raise ValueError(f"max_lookahead must be >= 1, got {max_lookahead}")
+    target = functools.cache(target)
+    drafter = functools.cache(drafter) if drafter is not None else None
+    result = SimResult()
+    for r in requests:
+        # best[(x, gap)]: (seconds to the end, produced, drafts, model) of the best first step.
+        # At x the catch-up is 1..x (the model drafted at some earlier step) or prompt + x
+        # (never yet); the table is filled from the end back.
+        best: dict[tuple[int, int], tuple[float, int, int, int]] = {}
+
+        def rest(x: int, gap: int) -> float:
+            return best[(x, gap)][0] if x < r.length else 0.0
+
+        for x in range(r.length - 1, -1, -1):
+            room = r.length - x - 1  # drafts past the last token are never accepted
+            for gap in [*range(1, x + 1), r.prompt + x]:
+                options = [(target(1) + rest(x + 1, gap + 1), 1, 0, 0)]
+                for k in range(1, min(int(r.free_len[x]), max_lookahead) + 1):
+                    p = min(k, int(r.free_acc[x]), room) + 1
+                    options.append((target(1 + k) + rest(x + p, gap + p), p, k, 0))
+                if drafter is not None:
+                    for k in range(1, max_lookahead + 1):
+                        p = min(k, int(r.acc[x]), room) + 1
+                        s = target(1 + k) + drafter(gap) + (k - 1) * drafter(1)
+                        options.append((s + rest(x + p, 1), p, k, 1))
+                best[(x, gap)] = min(options)
+        x, gap = 0, r.prompt
+        result.total_seconds += rest(x, gap)
+        while x < r.length:  # walk the best path for its counts
+            _, p, k, model = best[(x, gap)]
+            drafter_s = drafter(gap) + (k - 1) * drafter(1) if model and drafter else 0.0
+            result.steps.append(SimStep(1, 1 + k, target(1 + k) + drafter_s, drafter_s, model))
+            result.total_tokens += p
+            result.drafted += k
+            result.accepted += p - 1
+            result.request_steps += 1
+            result.model_request_steps += model
+            x, gap = x + p, (1 if model else gap + p)
     return result
 
 
