@@ -5,6 +5,9 @@ Definitions (vLLM's, so figures match `vllm bench serve` and `llm.get_metrics()`
   (a long prompt weighs by its length, not one vote per prompt);
 - speedup: a method's tokens/s over the baseline's on the same prompts of the same run (prompts
   missing from either side are left out of both);
+- decode speedup: the same over decoding alone, output tokens after the first / seconds from the
+  first token to the last (the engine's own timestamps, `RequestOutput.metrics`), so that a
+  prompt's prefill does not weigh on it by how many tokens its sampled output happened to have;
 - mean acceptance length: 1 + accepted draft tokens / drafts (tokens produced per verified
   draft; a step where a method proposed nothing is not a draft);
 - acceptance at position i: drafts whose token i was accepted / drafts;
@@ -160,10 +163,13 @@ def summarize_batch1(records: dict[int, dict[str, Any]], prompt_families: dict[i
             "acceptance_rate": counters.acceptance_rate,
             "acceptance_per_position": counters.acceptance_per_position,
             "num_drafts": counters.num_drafts,
+            "decode_tokens_per_s": decode_tokens_per_s(rows),
             "speedup": None,
+            "decode_speedup": None,
         }
         if baseline is not None:
             entry["speedup"] = speedup(records, baseline, indices)
+            entry["decode_speedup"] = decode_speedup(records, baseline, indices)
         summary[family] = entry
     return summary
 
@@ -179,6 +185,29 @@ def speedup(records: dict[int, dict[str, Any]], baseline: dict[int, dict[str, An
     theirs = tokens_per_s(sum(baseline[i]["num_output_tokens"] for i in common),
                           sum(baseline[i]["elapsed_s"] for i in common))
     return ratio(mine, theirs)
+
+
+def _decodes(record: dict[str, Any]) -> bool:
+    return record.get("decode_s") is not None and record["num_output_tokens"] >= 2
+
+
+def decode_tokens_per_s(rows: Iterable[dict[str, Any]]) -> float | None:
+    """Output tokens after the first / seconds from the first token to the last, summed over the
+    rows that have both (None: no row has a decode)."""
+    rows = [r for r in rows if _decodes(r)]
+    return tokens_per_s(sum(r["num_output_tokens"] - 1 for r in rows),
+                        sum(r["decode_s"] for r in rows)) if rows else None
+
+
+def decode_speedup(records: dict[int, dict[str, Any]], baseline: dict[int, dict[str, Any]],
+                   indices: Iterable[int]) -> float | None:
+    """decode tokens/s of `records` over the baseline's, on the prompts both decoded."""
+    common = [i for i in indices if i in records and i in baseline
+              and _decodes(records[i]) and _decodes(baseline[i])]
+    if not common:
+        return None
+    return ratio(decode_tokens_per_s(records[i] for i in common),
+                 decode_tokens_per_s(baseline[i] for i in common))
 
 
 # ----------------------------------------------------------------------------------------------

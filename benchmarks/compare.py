@@ -47,7 +47,8 @@ def upgrade(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def figures(row: dict[str, Any], load: str, family: str = OVERALL) -> dict[str, Any]:
-    """tokens/s, speedup, acceptance length and identity rate of one summary row."""
+    """tokens/s, speedup (and at batch 1 the decode speedup), acceptance length and identity
+    rate of one summary row."""
     if is_served(load):
         totals = row.get("totals", {})
         fam = row.get("families", {}).get(family, {})
@@ -62,6 +63,7 @@ def figures(row: dict[str, Any], load: str, family: str = OVERALL) -> dict[str, 
     fam = (row.get("families") or {}).get(family) or (row.get(OVERALL) if family == OVERALL
                                                         else None) or {}
     return {"tokens_per_s": fam.get("tokens_per_s"), "speedup": fam.get("speedup"),
+            "decode_speedup": fam.get("decode_speedup"),
             "acceptance_length": fam.get("mean_acceptance_length"),
             "identity_rate": (row.get("identity") or {}).get("identity_rate"),
             "identity": row.get("identity")}

@@ -9,7 +9,8 @@ dies half-way still leaves the prompts it finished:
 
     {"event": "started", "startup_s": ..., "pid": ...}
     {"event": "ready"}  (warmed up; a gated worker now waits for its first go)
-    {"event": "batch1", "prompt_index": i, "elapsed_s": ..., "output_token_ids": [...], ...}
+    {"event": "batch1", "prompt_index": i, "elapsed_s": ..., "output_token_ids": [...],
+     "prefill_s": ..., "decode_s": ..., ...}
     {"event": "batched", "elapsed_s": ..., "outputs": [{"prompt_index": i, ...}], counters...}
     {"event": "done"}
 
@@ -40,9 +41,16 @@ WARMUP_PROMPT = "Hello"
 
 def _output_record(output: Any) -> dict[str, Any]:
     completion = output.outputs[0]
-    return {"output_token_ids": list(completion.token_ids), "text": completion.text,
-            "num_output_tokens": len(completion.token_ids),
-            "finish_reason": completion.finish_reason}
+    record = {"output_token_ids": list(completion.token_ids), "text": completion.text,
+              "num_output_tokens": len(completion.token_ids),
+              "finish_reason": completion.finish_reason}
+    # The engine's own timestamps (monotonic, kept with log stats on): the prompt's step(s)
+    # until the first token, then decoding until the last.
+    stats = getattr(output, "metrics", None)
+    if getattr(stats, "first_token_ts", 0.0) and getattr(stats, "scheduled_ts", 0.0):
+        record["prefill_s"] = stats.first_token_ts - stats.scheduled_ts
+        record["decode_s"] = stats.last_token_ts - stats.first_token_ts
+    return record
 
 
 def _snapshot(llm: Any, smurfs: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -80,6 +80,7 @@ def aggregate(results: list[dict[str, Any]], sources: list[str] | None = None) -
         rows: dict[str, Any] = {}
         for label in labels:
             speedups, lengths, per_pass, statuses, missing = [], [], [], [], 0
+            decodes: list[float | None] = []
             identity = {key: 0 for key in ("compared", "identical", *VERDICTS)}
             for r in results:
                 row = r["summary"].get(load, {}).get(label)
@@ -94,6 +95,8 @@ def aggregate(results: list[dict[str, Any]], sources: list[str] | None = None) -
                     continue
                 speedups.append(float(fig["speedup"]))
                 per_pass.append(float(fig["speedup"]))
+                decode = fig.get("decode_speedup")
+                decodes.append(float(decode) if decode is not None else None)
                 if fig.get("acceptance_length") is not None:
                     lengths.append(float(fig["acceptance_length"]))
             entry: dict[str, Any] = {"missing": missing, "statuses": statuses,
@@ -103,6 +106,8 @@ def aggregate(results: list[dict[str, Any]], sources: list[str] | None = None) -
                                          sum(lengths) / len(lengths) if lengths else None)}
             if speedups:
                 entry.update(reduce_speedups(speedups))
+            if decodes and None not in decodes:  # batch 1, every pass with engine timestamps
+                entry["decode"] = reduce_speedups(decodes)
             rows[label] = entry
         per_load[load] = rows
     return {"baseline": baselines.pop(), "num_passes": len(results),
@@ -121,7 +126,8 @@ def render(agg: dict[str, Any]) -> str:
            "point is not `ok` (status per pass, in pass order) counts as missing. Identical: "
            "outputs identical to the reference's over all passes, and the divergences' verdicts "
            "(near-tie: the target's two tokens within rounding of each other; unchecked: no "
-           "margins computed).", ""]
+           "margins computed). Decode speedup (batch 1): the same over decoding alone, first token "
+           "to last.", ""]
     for i, p in enumerate(agg["passes"], 1):
         prov = p.get("provenance") or {}
         git = prov.get("git") or {}
@@ -139,10 +145,14 @@ def render(agg: dict[str, Any]) -> str:
                          " ".join(fmt(s, suffix="x") for s in per_pass) or "-",
                          fmt(e.get("geomean"), 3, "x"),
                          f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-",
-                         fmt(e.get("min"), suffix="x"), fmt(e.get("mean_acceptance_length")),
+                         fmt(e.get("min"), suffix="x"),
+                         " ".join(fmt(s, suffix="x") for s in e["decode"]["speedups"])
+                         + f" ({fmt(e['decode']['geomean'], 3, 'x')})" if e.get("decode") else "-",
+                         fmt(e.get("mean_acceptance_length")),
                          fmt_identity(e.get("identity")), str(e["missing"])])
         out += [table(["method", "status per pass", "speedup per pass", "geomean",
-                       "95% interval", "min", "mean acc. len", "identical", "passes missing"],
+                       "95% interval", "min", "decode speedup per pass (geomean)",
+                       "mean acc. len", "identical", "passes missing"],
                       body), ""]
     return "\n".join(out)
 

@@ -114,10 +114,11 @@ def render_markdown(result: dict[str, Any]) -> str:
                   fmt_identity(r.get("identity"))] for label, r in rows.items()]))
         else:
             out.append(table(
-                ["method", "status", "output tok/s", "speedup", "mean acc. len",
-                 "acceptance per position", "identical"],
+                ["method", "status", "output tok/s", "speedup", "decode speedup",
+                 "mean acc. len", "acceptance per position", "identical"],
                 [[label, _status_cell(r), fmt(_overall(r).get("tokens_per_s")),
                   fmt(_overall(r).get("speedup"), suffix="x"),
+                  fmt(_overall(r).get("decode_speedup"), suffix="x"),
                   fmt(_overall(r).get("mean_acceptance_length")),
                   fmt_positions(_overall(r).get("acceptance_per_position")),
                   fmt_identity(r.get("identity"))] for label, r in rows.items()]))
@@ -129,7 +130,9 @@ def render_markdown(result: dict[str, Any]) -> str:
             out.append(_family_table(rows, families, "speedup", "x"))
             out.append("")
         if load == "batch1":
-            out += ["Mean acceptance length by family:", ""]
+            out += ["Decode speedup by family (first token to last):", ""]
+            out.append(_family_table(rows, families, "decode_speedup", "x"))
+            out += ["", "Mean acceptance length by family:", ""]
             out.append(_family_table(rows, families, "mean_acceptance_length", ""))
             out += ["", "Output tokens/s by family:", ""]
             out.append(_family_table(rows, families, "tokens_per_s", ""))

@@ -225,6 +225,26 @@ def test_batch1_summary_sums_before_dividing_and_speedup_uses_common_prompts():
     assert speedup(method, baseline, [2]) is None
 
 
+def test_decode_speedup_leaves_each_prompt_s_prefill_out():
+    families = {0: "qa", 1: "rag", 2: "rag"}
+    base = {0: {**_rec(11, 2.0), "decode_s": 1.0}, 1: {**_rec(65, 10.0), "decode_s": 8.0},
+            2: _rec(5, 1.0)}  # no engine timestamps: left out of decode figures
+    # The method's sampled rag output ended after 17 tokens: its 2 s prefill weighs on fewer
+    # tokens, so it reads slower over the whole call though it decodes faster.
+    method = {0: {**_rec(11, 1.5), "decode_s": 0.5}, 1: {**_rec(17, 4.0), "decode_s": 1.6},
+              2: {**_rec(5, 1.0), "decode_s": 0.4}}
+    overall = summarize_batch1(method, families, base)[OVERALL]
+    assert overall["speedup"] < 1.0
+    assert overall["decode_speedup"] == pytest.approx((26 / 2.1) / (74 / 9.0))
+    assert overall["decode_tokens_per_s"] == pytest.approx(30 / 2.5)  # its own rows: all three
+    assert summarize_batch1(method, families, base)["qa"]["decode_speedup"] == pytest.approx(
+        (10 / 0.5) / (10 / 1.0))
+    assert summarize_batch1(method, families, None)[OVERALL]["decode_speedup"] is None
+    # one output token: no decode
+    assert summarize_batch1({0: {**_rec(1, 1.0), "decode_s": 0.0}}, families,
+                            base)[OVERALL]["decode_speedup"] is None
+
+
 def test_served_summary_drops_failed_requests_and_uses_tpot():
     families = {0: "qa", 1: "qa", 2: "rag"}
     request = {"output_len": 11, "ttft_s": 0.5, "itls_s": [0.1] * 10, "latency_s": 1.5,
@@ -840,7 +860,8 @@ def test_aggregate_lists_every_pass_and_counts_the_missing_ones():
     text = render(agg)
     assert "# Speedups over 2 passes" in text
     assert "| smurfs:4@1thread | ok ok | 1.50x 0.90x | 1.162x |" in text
-    assert "| suffix:4@2threads | error error | - - | - | - | - | - | - | 2 |" in text
+    assert "| suffix:4@2threads | error error | - - | - | - | - | - | - | - | 2 |" in text
+    assert "decode" not in agg["loads"]["batch1"]["smurfs:4@1thread"]  # no engine timestamps
     # the texts of c4 are the reference's: identical in both passes
     assert agg["loads"]["served@c4"]["smurfs:4@1thread"]["identity"]["identical"] == 4
     assert "| 2.50 | 4/4 | 0 |" in text
@@ -850,6 +871,27 @@ def test_aggregate_lists_every_pass_and_counts_the_missing_ones():
         aggregate([_pass(30.0), other])
     with pytest.raises(ValueError, match="no results"):
         aggregate([])
+
+
+def test_aggregate_reduces_the_decode_speedups_of_batch_1():
+    from benchmarks.repeats import aggregate, render
+
+    def timed(smurfs_decode_s: float) -> dict:
+        result = multi_load_result()
+        for m in result["methods"]:
+            for r in m["loads"]["batch1"].get("per_prompt", {}).values():
+                r["decode_s"] = smurfs_decode_s if m["name"] == "smurfs" else 1.0
+        result["summary"] = summarize(result)
+        return json.loads(json.dumps(result))
+
+    agg = aggregate([timed(0.5), timed(0.8)])
+    decode = agg["loads"]["batch1"]["smurfs:4@1thread"]["decode"]
+    assert decode["speedups"] == pytest.approx([2.0, 1.25])
+    assert decode["geomean"] == pytest.approx(np.sqrt(2.5))
+    assert "2.00x 1.25x (1.581x)" in render(agg)
+    # a pass without timestamps: no decode figure rather than half of one
+    assert "decode" not in aggregate([timed(0.5), _pass(30.0)])["loads"]["batch1"][
+        "smurfs:4@1thread"]
 
 
 def test_run_repeat_makes_one_folder_per_pass_with_alternating_order(tmp_path, monkeypatch):
