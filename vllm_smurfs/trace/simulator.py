@@ -41,7 +41,6 @@ Pure module (stdlib + numpy, no vllm/torch).
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,8 +70,8 @@ __all__ = [
     "acc_from_agreement",
     "default_policies",
     "fit_pass_cost",
-    "hindsight",
     "fit_target_cost",
+    "hindsight",
     "read_trace",
     "reconstruct",
     "replay",
