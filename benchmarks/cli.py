@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="passes of the whole run, the method order reversed every other pass; "
                           "each in OUT/pass-<i>, and OUT/repeats.md with every pass's speedup, "
                           "their geometric mean and a 95%% interval (the noise here is 8-11%%)")
+    run.add_argument("--seed-per-pass", action="store_true",
+                     help="with --repeat: pass i samples with seed --seed + i - 1, so that at "
+                          "temperature > 0 no method's single draw of texts sits in every pass "
+                          "(each method samples texts of its own)")
     run.add_argument("--out", default=None,
                      help="output folder (default: benchmarks/results/tmp/<time>-<mode>)")
 
@@ -237,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         dirs.append(os.path.join(out, f"pass-{i + 1}"))
         print(f"[bench] pass {i + 1} of {args.repeat}", flush=True)
         passes.append(run(replace(settings, out_dir=dirs[-1],
-                                  methods=",".join(repeats.method_order(methods, i))), argv))
+                                  methods=",".join(repeats.method_order(methods, i)),
+                                  seed=settings.seed + (i if args.seed_per_pass else 0)), argv))
     os.makedirs(out, exist_ok=True)
     agg = repeats.aggregate(passes, [os.path.relpath(d, out) for d in dirs])
     repeats.write(agg, out)

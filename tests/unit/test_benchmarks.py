@@ -898,10 +898,11 @@ def test_run_repeat_makes_one_folder_per_pass_with_alternating_order(tmp_path, m
     from benchmarks import cli
     from benchmarks import run as run_module
 
-    calls = []
+    calls, seeds = [], []
 
     def fake_run(settings, argv):
         calls.append((settings.out_dir, settings.methods))
+        seeds.append(settings.seed)
         os.makedirs(settings.out_dir, exist_ok=True)
         result = _pass(30.0 if len(calls) == 1 else 22.0)
         with open(os.path.join(settings.out_dir, "result.json"), "w") as f:
@@ -914,6 +915,7 @@ def test_run_repeat_makes_one_folder_per_pass_with_alternating_order(tmp_path, m
                      "--out", str(out)]) == 0
     assert calls == [(str(out / "pass-1"), "none,smurfs:4"), (str(out / "pass-2"), "smurfs:4,none"),
                      (str(out / "pass-3"), "none,smurfs:4")]
+    assert seeds == [0, 0, 0]  # one seed for every pass unless asked
     saved = json.loads((out / "repeats.json").read_text())
     assert saved["loads"]["served@c4"]["smurfs:4@1thread"]["speedups"] == \
         pytest.approx([1.5, 1.1, 1.1])
@@ -925,6 +927,10 @@ def test_run_repeat_makes_one_folder_per_pass_with_alternating_order(tmp_path, m
     assert again["loads"]["served@c4"]["smurfs:4@1thread"]["speedups"] == pytest.approx([1.5, 1.1])
     with pytest.raises(SystemExit):
         cli.main(["run", "--target", "/t", "--repeat", "0"])
+    seeds.clear()
+    assert cli.main(["run", "--target", "/t", "--methods", "none,smurfs:4", "--repeat", "3",
+                     "--seed", "5", "--seed-per-pass", "--out", str(tmp_path / "seeds")]) == 0
+    assert seeds == [5, 6, 7]
 
 
 def test_a_variant_can_add_a_drafter_to_the_collective():
