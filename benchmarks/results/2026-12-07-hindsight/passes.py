@@ -2,7 +2,8 @@
 engine's timestamps) and the same with the method's first token charged at the baseline's
 prefill (output tokens after the first / (call seconds - the baseline's prefill seconds), so a
 method's own work in its first step, a drafter's catch-up with the prompt, counts as decoding),
-with their geometric means over the passes, then per family (geomean over the passes).
+with their geometric means over the passes, then per family (geomean over the passes), and per
+pass Smurfs' steps without the model drafter, split by whether the voters had a chain.
 `python passes.py RUN [RUN...]`."""
 import glob
 import json
@@ -36,11 +37,19 @@ def geomean(xs):
 
 
 for run in sys.argv[1:]:
-    passes = []
+    passes, splits = [], []
     for path in sorted(glob.glob(f"{run}/pass-*/result.json")):
         with open(path) as f:
             r = json.load(f)
         passes.append(rates(r, r["summary"]["baseline"]))
+        for m in r["methods"]:
+            stats = [p["smurfs_stats"] for p in m["loads"]["batch1"]["per_prompt"].values()
+                     if p.get("smurfs_stats")]
+            if stats:
+                keys = ("steps", "steps_without_models",
+                        "request_steps_without_models_free_chain",
+                        "request_steps_without_models_no_chain")
+                splits.append({k: sum(s[k] for s in stats) for k in keys})
     print(f"## {run} ({len(passes)} passes)\n")
     print("| method | speedup per pass (geomean) | decode | decode, prefill at the baseline's |")
     print("| --- | --- | --- | --- |")
@@ -58,4 +67,8 @@ for run in sys.argv[1:]:
         print(f"| {label} | " + " | ".join(
             "/".join(f"{geomean([p[label][f][j] for p in passes]):.2f}" for j in range(3))
             for f in FAMILIES) + " |")
+    print("\nSmurfs' steps without the model, per pass (with a voter chain + without any chain "
+          "/ steps): " + ", ".join(
+              f"{s['request_steps_without_models_free_chain']} + "
+              f"{s['request_steps_without_models_no_chain']} / {s['steps']}" for s in splits))
     print()
