@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,17 +174,29 @@ def summarize_batch1(records: dict[int, dict[str, Any]], prompt_families: dict[i
     return summary
 
 
+def _rate_ratio(records: dict[int, dict[str, Any]], baseline: dict[int, dict[str, Any]],
+                indices: Iterable[int],
+                rate: Callable[[Iterable[dict[str, Any]]], float | None],
+                counts: Callable[[dict[str, Any]], bool] = lambda r: True) -> float | None:
+    """``rate`` of `records` over ``rate`` of `baseline`, on the prompts both have and both
+    ``counts``."""
+    common = [i for i in indices if i in records and i in baseline
+              and counts(records[i]) and counts(baseline[i])]
+    if not common:
+        return None
+    return ratio(rate(records[i] for i in common), rate(baseline[i] for i in common))
+
+
+def _call_tokens_per_s(rows: Iterable[dict[str, Any]]) -> float | None:
+    rows = list(rows)
+    return tokens_per_s(sum(r["num_output_tokens"] for r in rows),
+                        sum(r["elapsed_s"] for r in rows))
+
+
 def speedup(records: dict[int, dict[str, Any]], baseline: dict[int, dict[str, Any]],
             indices: Iterable[int]) -> float | None:
     """tokens/s of `records` over tokens/s of `baseline`, on the prompts both have."""
-    common = [i for i in indices if i in records and i in baseline]
-    if not common:
-        return None
-    mine = tokens_per_s(sum(records[i]["num_output_tokens"] for i in common),
-                        sum(records[i]["elapsed_s"] for i in common))
-    theirs = tokens_per_s(sum(baseline[i]["num_output_tokens"] for i in common),
-                          sum(baseline[i]["elapsed_s"] for i in common))
-    return ratio(mine, theirs)
+    return _rate_ratio(records, baseline, indices, _call_tokens_per_s)
 
 
 def _decodes(record: dict[str, Any]) -> bool:
@@ -202,12 +214,7 @@ def decode_tokens_per_s(rows: Iterable[dict[str, Any]]) -> float | None:
 def decode_speedup(records: dict[int, dict[str, Any]], baseline: dict[int, dict[str, Any]],
                    indices: Iterable[int]) -> float | None:
     """decode tokens/s of `records` over the baseline's, on the prompts both decoded."""
-    common = [i for i in indices if i in records and i in baseline
-              and _decodes(records[i]) and _decodes(baseline[i])]
-    if not common:
-        return None
-    return ratio(decode_tokens_per_s(records[i] for i in common),
-                 decode_tokens_per_s(baseline[i] for i in common))
+    return _rate_ratio(records, baseline, indices, decode_tokens_per_s, _decodes)
 
 
 # ----------------------------------------------------------------------------------------------

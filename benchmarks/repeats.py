@@ -145,9 +145,7 @@ def render(agg: dict[str, Any]) -> str:
                          " ".join(fmt(s, suffix="x") for s in per_pass) or "-",
                          fmt(e.get("geomean"), 3, "x"),
                          f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-",
-                         fmt(e.get("min"), suffix="x"),
-                         " ".join(fmt(s, suffix="x") for s in e["decode"]["speedups"])
-                         + f" ({fmt(e['decode']['geomean'], 3, 'x')})" if e.get("decode") else "-",
+                         fmt(e.get("min"), suffix="x"), _decode_cell(e.get("decode")),
                          fmt(e.get("mean_acceptance_length")),
                          fmt_identity(e.get("identity")), str(e["missing"])])
         out += [table(["method", "status per pass", "speedup per pass", "geomean",
@@ -155,6 +153,14 @@ def render(agg: dict[str, Any]) -> str:
                        "mean acc. len", "identical", "passes missing"],
                       body), ""]
     return "\n".join(out)
+
+
+def _decode_cell(decode: dict[str, Any] | None) -> str:
+    """Every pass's decode speedup and their geometric mean (``-``: none)."""
+    if not decode:
+        return "-"
+    return (" ".join(fmt(s, suffix="x") for s in decode["speedups"])
+            + f" ({fmt(decode['geomean'], 3, 'x')})")
 
 
 def write(agg: dict[str, Any], out_dir: str) -> tuple[str, str]:

@@ -297,6 +297,10 @@ def hindsight(requests: Sequence[ReplayRequest], target: Callable[[float], float
         def rest(x: int, gap: int) -> float:
             return best[(x, gap)][0] if x < r.length else 0.0
 
+        def forwards(gap: int, k: int) -> float:
+            """The model's forwards for ``k`` drafts: over the catch-up, then one a position."""
+            return drafter(gap) + (k - 1) * drafter(1)  # type: ignore[misc]
+
         for x in range(r.length - 1, -1, -1):
             room = r.length - x - 1  # drafts past the last token are never accepted
             for gap in [*range(1, x + 1), r.prompt + x]:
@@ -307,14 +311,14 @@ def hindsight(requests: Sequence[ReplayRequest], target: Callable[[float], float
                 if drafter is not None:
                     for k in range(1, max_lookahead + 1):
                         p = min(k, int(r.acc[x]), room) + 1
-                        s = target(1 + k) + drafter(gap) + (k - 1) * drafter(1)
+                        s = target(1 + k) + forwards(gap, k)
                         options.append((s + rest(x + p, 1), p, k, 1))
                 best[(x, gap)] = min(options)
         x, gap = 0, r.prompt
         result.total_seconds += rest(x, gap)
         while x < r.length:  # walk the best path for its counts
             _, p, k, model = best[(x, gap)]
-            drafter_s = drafter(gap) + (k - 1) * drafter(1) if model and drafter else 0.0
+            drafter_s = forwards(gap, k) if model else 0.0
             result.steps.append(SimStep(1, 1 + k, target(1 + k) + drafter_s, drafter_s, model))
             result.total_tokens += p
             result.drafted += k
