@@ -24,16 +24,17 @@ def auc(score, y):
     return greater / (len(pos) * len(neg))
 
 
-for path in sys.argv[1:]:
-    y, feats = [], {"prev": [], "chain": [], "runmean": [], "combo": []}
-    for r in reconstruct(read_trace(path)):
-        agree = (r.acc > 0).astype(int)
-        for x in range(2, len(agree)):
-            y.append(agree[x])
-            feats["prev"].append(agree[x - 1])
-            feats["chain"].append(int(r.free_len[x] > 0))
-            feats["runmean"].append(agree[:x].mean())
-            feats["combo"].append(2 * agree[x - 1] + agree[x - 2] + agree[:x].mean()
-                                  + 0.5 * (r.free_len[x] > 0))
-    print(f"{path}: {len(y)} positions, first token accepted at {np.mean(y):.3f}; AUC "
-          + ", ".join(f"{k} {auc(v, y):.3f}" for k, v in feats.items()))
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        y, feats = [], {"prev": [], "chain": [], "runmean": [], "combo": []}
+        for r in reconstruct(read_trace(path)):
+            agree = (r.acc > 0).astype(int)
+            for x in range(2, len(agree)):
+                y.append(agree[x])
+                feats["prev"].append(agree[x - 1])
+                feats["chain"].append(int(r.free_len[x] > 0))
+                feats["runmean"].append(agree[:x].mean())
+                feats["combo"].append(2 * agree[x - 1] + agree[x - 2] + agree[:x].mean()
+                                      + 0.5 * (r.free_len[x] > 0))
+        print(f"{path}: {len(y)} positions, first token accepted at {np.mean(y):.3f}; AUC "
+              + ", ".join(f"{k} {auc(v, y):.3f}" for k, v in feats.items()))
