@@ -12,7 +12,7 @@ drafter's, and oracles of each decision, on a greedy trace recorded at a fixed l
    `prev+tgt_prev_top` the model's agreement at x-1 plus `tgt_prev_top`; for reference, not known
    before drafting: `tgt_top` the target's top probability at x, `drf_top` the drafter's.
 2. Policies, replayed at batch 1 (`vllm_smurfs.trace.simulator.replay`, the trace's costs, at most
-   K = 3 ahead), against the adaptive controller and the hindsight ceiling (`hindsight`). Each
+   K ahead), against the adaptive controller and the hindsight ceiling (`hindsight`). Each
    step of a request: the model drafts (and its draft alone is verified) where a rule says so,
    else the voters' chain is verified (or nothing, without one). The rules:
    * `score >= threshold` for each feature of 1., the model drafting 1-3 tokens, at the best
@@ -22,7 +22,8 @@ drafter's, and oracles of each decision, on a greedy trace recorded at a fixed l
    * oracles: `first` the model drafts where its first token will be accepted; `choice` where its
      accepted run will be longer than the voters' (both with the confidence stop).
 
-`python confidence.py TRACE RESULT_JSON TARGET DRAFT` (RESULT_JSON: the run's result.json, which
+`python confidence.py TRACE RESULT_JSON TARGET DRAFT [K]` (K: the most drafted ahead, 3 unless
+given, at most the trace's; RESULT_JSON: the run's result.json, which
 holds each prompt's token ids and output token ids; the trace's request i is prompt i - 1: the
 benchmark's warm-up request comes first). The forwards (minutes) are kept beside the trace in
 `TRACE-target-f32.npz` and `TRACE-draft-f32.npz`.
@@ -54,9 +55,9 @@ class ModelWhere(FixedLookahead):
     """The model drafts where ``use[(req_id, x)]`` (absent: True), up to ``k`` tokens and on
     while its last token's top probability reaches ``tau``; elsewhere the voters' chain."""
 
-    def __init__(self, starts, use, k=K, tau=0.0, confidence=None):
+    def __init__(self, starts, use, k=None, tau=0.0, confidence=None):
         super().__init__(K, 1)
-        self.starts, self.use, self.k, self.tau = starts, use, k, tau
+        self.starts, self.use, self.k, self.tau = starts, use, k or K, tau
         self.confidence = confidence or {}  # req_id: the drafter's top probability by output x
 
     def plan(self, requests, max_lookahead, *, prompt_pending=False):
@@ -171,10 +172,12 @@ def main(trace_path, result_path, target_path, draft_path):
         for tau in (0.0, 0.6):
             rows[f"oracle {name}, on while the drafter's top prob >= {tau}"] = speed(
                 lambda o=oracle, tau=tau: ModelWhere(starts, o, K, tau, drafter_top)) / base
-    print("| policy (batch 1, at most 3 ahead) | x k=0 |\n| --- | --- |")
+    print(f"| policy (batch 1, at most {K} ahead) | x k=0 |\n| --- | --- |")
     for name, value in rows.items():
         print(f"| {name} | {value:.3f} |")
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 5:
+        K = int(sys.argv[5])
     main(*sys.argv[1:5])
