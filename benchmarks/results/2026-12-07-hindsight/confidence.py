@@ -22,14 +22,15 @@ drafter's, and oracles of each decision, on a greedy trace recorded at a fixed l
    * oracles: `first` the model drafts where its first token will be accepted; `choice` where its
      accepted run will be longer than the voters' (both with the confidence stop).
 
-`python confidence.py TRACE RESULT_JSON TARGET DRAFT [K]` (K: the most drafted ahead, 3 unless
-given, at most the trace's; RESULT_JSON: the run's result.json, which
-holds each prompt's token ids and output token ids; the trace's request i is prompt i - 1: the
-benchmark's warm-up request comes first). The forwards (minutes) are kept beside the trace in
-`TRACE-target-f32.npz` and `TRACE-draft-f32.npz`.
+`python confidence.py TRACE RESULT_JSON TARGET DRAFT [--max-lookahead K] [--costs TRACE2]`
+(K: the most drafted ahead, 3 unless given; TRACE2: price the replays with the cost curves fitted
+to another trace, e.g. one whose steps verified every token count where TRACE's fixed k saw one;
+RESULT_JSON: the run's result.json, which holds each prompt's token ids and output token ids; the
+trace's request i is prompt i - 1: the benchmark's warm-up request comes first). The forwards
+(minutes) are kept beside the trace in `TRACE-target-f32.npz` and `TRACE-draft-f32.npz`.
 """
+import argparse
 import json
-import sys
 
 import numpy as np
 import torch
@@ -98,7 +99,7 @@ def cached_distributions(model_path, ids_by_prompt, cache):
     return out
 
 
-def main(trace_path, result_path, target_path, draft_path):
+def main(trace_path, result_path, target_path, draft_path, costs_path=None):
     torch.set_num_threads(2)
     result = json.load(open(result_path))
     prompts = result["prompts"]
@@ -142,7 +143,11 @@ def main(trace_path, result_path, target_path, draft_path):
     print("AUC " + ", ".join(f"{k} {auc(v, y):.3f}" for k, v in feats.items()))
 
     # 2. Policies.
-    target_cost, drafter_cost = fit_target_cost(trace), fit_pass_cost(trace)
+    costs = read_trace(costs_path) if costs_path else trace
+    target_cost, drafter_cost = fit_target_cost(costs), fit_pass_cost(costs)
+    print("target step (ms) at 1..8 tokens: "
+          + " ".join(f"{1000 * target_cost(n):.0f}" for n in range(1, 9))
+          + f"; drafter forward at 1 token {1000 * drafter_cost(1):.1f} ms")
 
     def speed(factory):
         return replay(requests, factory, 1, target_cost, drafter_cost, K).tokens_per_second
@@ -178,6 +183,11 @@ def main(trace_path, result_path, target_path, draft_path):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 5:
-        K = int(sys.argv[5])
-    main(*sys.argv[1:5])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name in ("trace", "result", "target", "draft"):
+        parser.add_argument(name)
+    parser.add_argument("--max-lookahead", type=int, default=3)
+    parser.add_argument("--costs")
+    args = parser.parse_args()
+    K = args.max_lookahead
+    main(args.trace, args.result, args.target, args.draft, args.costs)
