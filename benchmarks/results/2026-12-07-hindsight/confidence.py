@@ -110,7 +110,10 @@ def main(trace_path, result_path, target_path, draft_path, costs_path=None):
     target = cached_distributions(target_path, ids_by_prompt, f"{stem}-target-f32.npz")
     draft = cached_distributions(draft_path, ids_by_prompt, f"{stem}-draft-f32.npz")
     trace = read_trace(trace_path)
-    requests = [r for r in reconstruct(trace) if int(r.req_id.split("-")[0]) > 0]  # no warm-up
+    # The trace's request i is prompt i - 1 (request 0: the benchmark's warm-up, left out).
+    recorded = reconstruct(trace)
+    prompt_of = {r.req_id: int(r.req_id.split("-")[0]) - 1 for r in recorded}
+    requests = [r for r in recorded if prompt_of[r.req_id] >= 0]
     starts = {r.req_id: r.prompt for r in requests}
 
     # 1. Prediction.
@@ -119,7 +122,7 @@ def main(trace_path, result_path, target_path, draft_path, costs_path=None):
                              "tgt_top", "drf_top")}
     drafter_top = {}  # req_id: the drafter's top probability at each output position x
     for r in requests:
-        index = int(r.req_id.split("-")[0]) - 1
+        index = prompt_of[r.req_id]
         ids = ids_by_prompt[index]
         t_top, t_negent, _ = target[index]
         d_top, _, d_arg = draft[index]
@@ -158,13 +161,14 @@ def main(trace_path, result_path, target_path, draft_path, costs_path=None):
     rows["hindsight"] = (hindsight(requests, target_cost, drafter_cost, K).tokens_per_second
                          / base)
     for k in range(1, K + 1):
-        rows[f"the model drafts {k} in every step"] = speed(lambda k=k: ModelWhere(starts, {}, k))
-        rows[f"the model drafts {k} in every step"] /= base
+        rows[f"the model drafts {k} in every step"] = speed(
+            lambda k=k: ModelWhere(starts, {}, k)) / base
     for name, values in feats.items():
-        best = max((speed(lambda t=t, k=k: ModelWhere(
-            starts, {key: v >= t for key, v in zip(keys, values, strict=True)}, k)), t, k)
-            for t in sorted(set(np.quantile(values, np.linspace(0, 1, 21))))[1:]
-            for k in range(1, K + 1))
+        best = (0.0, 0.0, 0)  # (tokens per second, threshold, tokens the model drafts)
+        for t in sorted(set(np.quantile(values, np.linspace(0, 1, 21))))[1:]:
+            use = {key: v >= t for key, v in zip(keys, values, strict=True)}
+            for k in range(1, K + 1):
+                best = max(best, (speed(lambda k=k: ModelWhere(starts, use, k)), t, k))
         rows[f"{name} >= {best[1]:.3f}, the model drafts {best[2]}"] = best[0] / base
     for tau in (0.3, 0.5, 0.6, 0.7, 0.9):
         rows[f"every step, on while the drafter's top prob >= {tau}"] = speed(
