@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from vllm_smurfs.control.plan import cumulative
 from vllm_smurfs.drafters.model_free import NgramVoter, SuffixVoter
 from vllm_smurfs.trace.format import read_trace
 from vllm_smurfs.trace.simulator import fit_pass_cost, fit_target_cost
@@ -172,12 +173,16 @@ def chain_prefix_probs(o, source, x, k, unknown):
     return out
 
 
-def model_prefix_probs(alpha, x, k, length):
-    out, acc = [], 1.0
-    for j in range(min(k, length - x - 1)):
-        acc *= float(alpha[x + j])
-        out.append(acc)
-    return out
+def model_prefix_probs(alpha, x, k):
+    """P(the first j tokens the draft model samples at x are accepted), j = 1 .. <= k (none past
+    the output's last token)."""
+    return cumulative(np.asarray(alpha[x:len(alpha) - 1], dtype=float).tolist(), k)
+
+
+def value(option, rho, extra_s=0.0):
+    """What a step option is worth at rate ``rho``: its expected tokens (the accepted drafts, as
+    the choice assumes them, and the target's own) minus rho x its seconds."""
+    return 1 + sum(option[1]) - rho * (option[3] + extra_s)
 
 
 # What the oracle policies know of the draft model's acceptance when they choose (the replay
@@ -199,19 +204,23 @@ KNOWS = {"oracle": "position", "oracle-request": "request", "oracle-global": "gl
          "rates": "global", "rates-by-agreement": "global", "smurfs-estimates": "global"}
 
 
-def live_estimates(result_paths):
-    """The Smurfs controller's band estimates at each run's last request, averaged: (the model's
-    conditional acceptance by position, the voters' chain's)."""
-    models, free = [], []
+def last_controllers(result_paths):
+    """Each run's Smurfs controller snapshot at its last request."""
+    out = []
     for path in result_paths:
         for method in json.load(open(path))["methods"]:
             if method["name"] == "smurfs":
                 per_prompt = method["loads"]["batch1"]["per_prompt"]
-                bands = per_prompt[max(per_prompt, key=int)]["smurfs_stats"]["controller"]["bands"]
-                (band,) = bands.values()
-                models.append(band["acceptance_models"])
-                free.append(band["acceptance_free"])
-    return np.mean(models, axis=0), np.mean(free, axis=0)
+                out.append(per_prompt[max(per_prompt, key=int)]["smurfs_stats"]["controller"])
+    return out
+
+
+def live_estimates(controllers):
+    """The controllers' temperature band estimates, averaged: (the model's conditional
+    acceptance by position, the voters' chain's)."""
+    bands = [next(iter(c["bands"].values())) for c in controllers]
+    return (np.mean([b["acceptance_models"] for b in bands], axis=0),
+            np.mean([b["acceptance_free"] for b in bands], axis=0))
 
 
 def chain_feature(o, x, policy):
@@ -261,9 +270,6 @@ def plans(o, policy, tc, dc1, k, unknown, rho, model_on, global_alpha, rates=Non
     else:
         assumed = o.alpha
 
-    def value(option):
-        return 1 + sum(option[1]) - rho * option[3]
-
     for x in range(n_out):
         free = (0, [], [], tc[1])
         model = None
@@ -273,30 +279,30 @@ def plans(o, policy, tc, dc1, k, unknown, rho, model_on, global_alpha, rates=Non
                 free = (len(probs), probs, probs, tc[len(probs) + 1])
         elif policy.startswith("draft_model"):
             n = int(policy.removeprefix("draft_model k="))
-            probs = model_prefix_probs(o.alpha, x, n, n_out)
+            probs = model_prefix_probs(o.alpha, x, n)
             if probs:
                 model = (len(probs), probs, probs, tc[len(probs) + 1] + (len(probs) - 1) * dc1)
         elif policy in KNOWS:
             for s in SOURCES:
                 probs = chain_prefix_probs(o, s, x, k, unknown)
                 if policy == "smurfs-estimates":
-                    assumed_chain = list(np.cumprod(rates["free"][:len(probs)]))
+                    assumed_chain = cumulative(rates["free"], len(probs))
                 elif policy.startswith("rates"):
-                    assumed_chain = list(np.cumprod(rates.get(
-                        (s, chain_feature(o, x, policy)), rates[s, None])[:len(probs)]))
+                    assumed_chain = cumulative(rates.get(
+                        (s, chain_feature(o, x, policy)), rates[s, None]), len(probs))
                 else:
                     assumed_chain = probs
                 for j in range(1, len(probs) + 1):
                     option = (j, assumed_chain[:j], probs[:j], tc[j + 1])
-                    if value(option) > value(free):
+                    if value(option, rho) > value(free, rho):
                         free = option
             if model_on:
-                exact = model_prefix_probs(o.alpha, x, k, n_out)
-                probs = (model_prefix_probs(assumed, x, k, n_out) if assumed is not None
-                         else list(np.cumprod(rates["models"][:len(exact)])))
+                exact = model_prefix_probs(o.alpha, x, k)
+                probs = (model_prefix_probs(assumed, x, k) if assumed is not None
+                         else cumulative(rates["models"], len(exact)))
                 for j in range(1, len(probs) + 1):
                     option = (j, probs[:j], exact[:j], tc[j + 1] + (j - 1) * dc1)
-                    if model is None or value(option) > value(model):
+                    if model is None or value(option, rho) > value(model, rho):
                         model = option
         out.append((free, model))
     return out
@@ -318,9 +324,8 @@ def replay(o, policy, plan, dc, rng, rho, model_on):
         option, is_model = free, False
         if model is not None:
             catch_up = dc(o.prompt_len + x - synced)
-            if policy.startswith("draft_model") or (
-                    1 + sum(model[1]) - rho * (model[3] + catch_up) > 1 + sum(free[1])
-                    - rho * free[3]):
+            if (policy.startswith("draft_model")
+                    or value(model, rho, catch_up) > value(free, rho)):
                 option, is_model = (model[0], model[1], model[2], model[3] + catch_up), True
         n, _, probs, cost = option
         seconds += cost
@@ -373,17 +378,11 @@ def run_policy(outputs, policy, tc, dc, k, draws, unknown, rho=0.0, global_alpha
     return np.array(times)
 
 
-def curves_of_runs(result_paths):
-    """The target's step and the drafter's forward seconds by tokens, as the Smurfs controller
-    of each run had them at its last request (its fitted knots), averaged over the runs."""
-    target, drafter = [], []
-    for path in result_paths:
-        for method in json.load(open(path))["methods"]:
-            if method["name"] == "smurfs":
-                per_prompt = method["loads"]["batch1"]["per_prompt"]
-                last = per_prompt[max(per_prompt, key=int)]["smurfs_stats"]["controller"]
-                target.append(np.array(last["target_cost"]["knots"]).T)
-                drafter.append(np.array(last["drafters"][0]["pass_cost"]["knots"]).T)
+def curves_of_runs(controllers):
+    """The target's step and the drafter's forward seconds by tokens, as the controllers had them
+    (their fitted knots), averaged."""
+    target = [np.array(c["target_cost"]["knots"]).T for c in controllers]
+    drafter = [np.array(c["drafters"][0]["pass_cost"]["knots"]).T for c in controllers]
 
     def curve(knots):
         # (the controller's curves hold their last knot's seconds beyond it: so do these)
@@ -407,11 +406,12 @@ def main():
     k = args.max_lookahead
     outputs, temperature = arrays(args.results, args.target, args.draft,
                                   [int(p) for p in args.passes.split(",")], k)
+    controllers = last_controllers(args.results)
     if args.costs.endswith(".jsonl"):
         trace = read_trace(args.costs)
         target, drafter = fit_target_cost(trace), fit_pass_cost(trace)
     else:
-        target, drafter = curves_of_runs(args.results)
+        target, drafter = curves_of_runs(controllers)
     tc = [0.0] + [target(n) for n in range(1, k + 2)]
     dc = functools.lru_cache(maxsize=None)(drafter)
     tokens = np.array([len(o.tokens) for o in outputs])
@@ -423,11 +423,13 @@ def main():
     alpha = np.concatenate([o.alpha for o in outputs])
     times = {p: run_policy(outputs, p, tc, dc, k, args.draws, args.unknown)
              for p in ("none", "ngram", "draft_model k=1", "draft_model k=2", "draft_model k=3")}
-    live_models, live_free = live_estimates(args.results)
+    live_models, live_free = live_estimates(controllers)
+    base_rates = chain_rates(outputs, k, args.unknown)
+    rates_of = {"rates": base_rates,
+                "rates-by-agreement": chain_rates(outputs, k, args.unknown, "rates-by-agreement"),
+                "smurfs-estimates": {"models": live_models, "free": live_free}}
     for policy in KNOWS:
-        rates = chain_rates(outputs, k, args.unknown, policy)
-        if policy == "smurfs-estimates":
-            rates.update(models=live_models, free=live_free)
+        rates = rates_of.get(policy)
         rho = tokens.sum() / times["ngram"].sum()
         for _ in range(4):  # the policy's own rate
             times[policy] = run_policy(outputs, policy, tc, dc, k, args.draws, args.unknown,
@@ -439,7 +441,7 @@ def main():
           "model " + " ".join(f"{r:.2f}" for r in live_models) + "; voters' chain "
           + " ".join(f"{r:.2f}" for r in live_free))
     print("chains' conditional acceptance at positions 1..K (rates): " + "; ".join(
-        f"{s} " + " ".join(f"{r:.2f}" for r in rates[s, None]) for s in SOURCES))
+        f"{s} " + " ".join(f"{r:.2f}" for r in base_rates[s, None]) for s in SOURCES))
     print("| policy | x none | x ngram k=4 | " + " | ".join(families)
           + " (x ngram) | steps: model (tokens) / chain (tokens) / none |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in families) + " | --- |")
